@@ -1,0 +1,1 @@
+"""Attention over a paged KV cache with per-request tree masks."""

@@ -1,0 +1,350 @@
+"""The speculative config: parse a YAML/JSON file or a dict, validate it, map it to vLLM.
+
+Everything here runs in the calling process (the `LLM` constructor or the
+`vllm serve` front end) before any engine or worker process starts, so a bad
+config fails fast with a message that names the key and the fix.
+
+A config maps onto three stock vLLM engine arguments:
+
+* ``speculative_config``: ``method="eagle"`` with the draft folder and
+  ``num_speculative_tokens`` = draft slots per request per step, so that
+  vLLM's scheduler reserves the slots and allocates KV for the draft layers;
+* ``additional_config["eagle_vllm"]``: the full, validated plugin config,
+  which reaches every worker;
+* ``worker_cls``: the plugin's worker, which installs the plugin's runner
+  (drafting, verification, and for trees the tree attention and KV compaction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "eagle_vllm"
+WORKER_CLS = "eagle_vllm.engine.worker.EagleWorker"
+METHODS = ("eagle", "eagle2")
+# vLLM 0.32: vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN.
+MAX_DRAFT_SLOTS = 128
+DRAFT_SAMPLE_METHODS = ("greedy",)
+
+# Defaults are sized for small models on CPU, where verifying more than ~16
+# tokens per step costs much more than one decode step (see BENCHMARKS.md).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "eagle": {"num_speculative_tokens": 3, "topk": 1, "draft_sample_method": "greedy"},
+    "eagle2": {
+        "num_speculative_tokens": 4,
+        "topk": 4,
+        "total_tokens": 16,
+        "draft_sample_method": "greedy",
+    },
+}
+
+
+class EagleConfigError(ValueError):
+    """A speculative config that cannot work; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class EagleSpecConfig:
+    """A validated plugin config.
+
+    ``num_speculative_tokens`` is the chain length for ``eagle`` and the tree
+    depth (number of draft forward passes) for ``eagle2``. ``total_tokens``
+    counts the tree's root (the last accepted token), as in SafeAILab's
+    EAGLE-2, so a step verifies ``total_tokens`` tokens of which
+    ``total_tokens - 1`` are drafts.
+    """
+
+    method: str
+    model: str
+    num_speculative_tokens: int
+    topk: int = 1
+    total_tokens: int = 0
+    draft_sample_method: str = "greedy"
+    source: str | None = field(default=None, compare=False)
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Draft tokens per request per step: what vLLM's scheduler reserves."""
+        return self.total_tokens - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EagleSpecConfig:
+        return cls(**data)
+
+    def vllm_speculative_config(self) -> dict[str, Any]:
+        return {
+            "method": "eagle",
+            "model": self.model,
+            "num_speculative_tokens": self.num_draft_slots,
+        }
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM`` / ``EngineArgs``."""
+        return {
+            "speculative_config": self.vllm_speculative_config(),
+            "additional_config": {ADDITIONAL_CONFIG_KEY: self.to_dict()},
+            "worker_cls": WORKER_CLS,
+        }
+
+
+_ALLOWED_KEYS = {
+    "method": (str,),
+    "model": (str, os.PathLike),
+    "num_speculative_tokens": (int,),
+    "topk": (int,),
+    "total_tokens": (int,),
+    "draft_sample_method": (str,),
+}
+
+
+def _fail(key: str, problem: str, fix: str) -> EagleConfigError:
+    return EagleConfigError(f"speculative config key '{key}': {problem}. Fix: {fix}")
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML or JSON speculative config file into a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise EagleConfigError(
+            f"speculative config file '{path}' does not exist. "
+            "Fix: pass an existing .yaml/.yml/.json file, or a dict."
+        )
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # yaml.YAMLError, json.JSONDecodeError
+        raise EagleConfigError(
+            f"speculative config file '{path}' is not valid "
+            f"{'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}. "
+            "Fix: correct the syntax (see configs/eagle.yaml for an example)."
+        ) from None
+    if not isinstance(data, dict):
+        raise EagleConfigError(
+            f"speculative config file '{path}' must hold a mapping of keys "
+            f"(method, model, ...), not {type(data).__name__}. "
+            "Fix: see configs/eagle.yaml for an example."
+        )
+    return data
+
+
+def parse_speculative_config(
+    config: str | os.PathLike | dict[str, Any],
+    *,
+    target: str | None = None,
+    speculative_model: str | None = None,
+) -> EagleSpecConfig:
+    """Parse and validate a config from a file path or a dict.
+
+    A relative ``model`` resolves against the config file's folder (or the
+    working directory for a dict). If ``target`` names a local model folder,
+    the draft's hidden size and vocabulary are checked against it here.
+    """
+    base_dir = Path.cwd()
+    source = None
+    if isinstance(config, (str, os.PathLike)):
+        source = str(config)
+        base_dir = Path(config).resolve().parent
+        data = read_config_file(config)
+    elif isinstance(config, dict):
+        data = dict(config)
+    else:
+        raise EagleConfigError(
+            f"speculative_config must be a dict or a path to a YAML/JSON file, "
+            f"not {type(config).__name__}. Fix: pass e.g. 'configs/eagle.yaml'."
+        )
+    if speculative_model is not None:
+        if data.get("model") not in (None, speculative_model):
+            raise _fail(
+                "model",
+                f"given twice ('{data['model']}' in the config and "
+                f"speculative_model='{speculative_model}')",
+                "pass the draft folder in one place only",
+            )
+        data["model"] = speculative_model
+
+    unknown = sorted(set(data) - set(_ALLOWED_KEYS))
+    if unknown:
+        raise _fail(
+            unknown[0],
+            "unknown key",
+            f"remove it; the allowed keys are {sorted(_ALLOWED_KEYS)}",
+        )
+    for key, types in _ALLOWED_KEYS.items():
+        if key in data and (
+            not isinstance(data[key], types) or isinstance(data[key], bool)
+        ):
+            raise _fail(
+                key,
+                f"expected {' or '.join(t.__name__ for t in types)}, "
+                f"got {type(data[key]).__name__} ({data[key]!r})",
+                f"give '{key}' a value of that type",
+            )
+
+    method = data.get("method")
+    if method is None:
+        raise _fail("method", "missing", f"set it to one of {list(METHODS)}")
+    if method not in METHODS:
+        raise _fail(
+            "method",
+            f"unknown method '{method}'",
+            f"use 'eagle' (chain) or 'eagle2' (dynamic tree); vLLM's built-in "
+            "methods are passed to vLLM directly, not through eagle_vllm",
+        )
+    if data.get("model") is None:
+        raise _fail("model", "missing", "set it to the draft checkpoint folder")
+    model_path = Path(os.fspath(data["model"])).expanduser()
+    if not model_path.is_absolute():
+        model_path = (base_dir / model_path).resolve()
+    if not model_path.is_dir():
+        raise _fail(
+            "model",
+            f"draft folder '{model_path}' does not exist",
+            "point it at a folder with config.json and weights "
+            "(a relative path resolves against the config file's folder)",
+        )
+    if not (model_path / "config.json").is_file():
+        raise _fail(
+            "model",
+            f"draft folder '{model_path}' has no config.json",
+            "use an EAGLE checkpoint folder (SafeAILab layout or eagle-vllm train output)",
+        )
+
+    values = {**DEFAULTS[method], **{k: v for k, v in data.items() if k in _ALLOWED_KEYS}}
+    depth = values["num_speculative_tokens"]
+    topk = values["topk"]
+    if depth < 1:
+        raise _fail("num_speculative_tokens", f"{depth} is below 1", "use 1 or more")
+    if topk < 1:
+        raise _fail("topk", f"{topk} is below 1", "use 1 or more")
+    if method == "eagle":
+        if topk != 1:
+            raise _fail(
+                "topk",
+                f"method 'eagle' is a chain, topk must be 1 (got {topk})",
+                "drop 'topk', or use method 'eagle2' for a tree",
+            )
+        if "total_tokens" in data and data["total_tokens"] != depth + 1:
+            raise _fail(
+                "total_tokens",
+                "method 'eagle' verifies num_speculative_tokens + 1 tokens",
+                "drop 'total_tokens', or use method 'eagle2' for a tree",
+            )
+        total = depth + 1
+    else:
+        total = values["total_tokens"]
+        if total < 2:
+            raise _fail("total_tokens", f"{total} is below 2", "use 2 or more (root + 1 draft)")
+        # Candidates the expansion can produce: topk at depth 1, topk*topk below.
+        max_nodes = 1 + topk + (depth - 1) * topk * topk
+        if total > max_nodes:
+            raise _fail(
+                "total_tokens",
+                f"{total} exceeds the {max_nodes} nodes that depth {depth} with "
+                f"topk {topk} can draft",
+                f"use total_tokens <= {max_nodes}, or raise topk/num_speculative_tokens",
+            )
+    if total - 1 > MAX_DRAFT_SLOTS:
+        raise _fail(
+            "total_tokens" if method == "eagle2" else "num_speculative_tokens",
+            f"{total - 1} draft tokens per step exceed vLLM's limit of {MAX_DRAFT_SLOTS}",
+            f"use at most {MAX_DRAFT_SLOTS} drafts per step",
+        )
+    if values["draft_sample_method"] not in DRAFT_SAMPLE_METHODS:
+        raise _fail(
+            "draft_sample_method",
+            f"unknown value '{values['draft_sample_method']}'",
+            f"use one of {list(DRAFT_SAMPLE_METHODS)}",
+        )
+
+    cfg = EagleSpecConfig(
+        method=method,
+        model=str(model_path),
+        num_speculative_tokens=depth,
+        topk=topk,
+        total_tokens=total,
+        draft_sample_method=values["draft_sample_method"],
+        source=source,
+    )
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    inspect_draft_checkpoint(cfg.model)  # raises on unreadable/mismatched weights
+    if target is not None:
+        validate_against_target(cfg, target)
+    return cfg
+
+
+def _load_target_config(target: str) -> dict[str, Any] | None:
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text())
+    try:  # a hub id already in the local cache; never downloads here
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(target, local_files_only=True).to_dict()
+    except Exception:
+        return None
+
+
+def validate_against_target(
+    cfg: EagleSpecConfig, target: str, max_model_len: int | None = None
+) -> None:
+    """Check the draft fits the target: hidden size, vocabulary, context length."""
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    info = inspect_draft_checkpoint(cfg.model)
+    target_cfg = _load_target_config(target)
+    if target_cfg is None:
+        return  # checked again in the worker, where the target is loaded
+    text_cfg = target_cfg.get("text_config", target_cfg)
+    t_hidden, t_vocab = text_cfg.get("hidden_size"), text_cfg.get("vocab_size")
+    if t_hidden is not None and info.hidden_size != t_hidden:
+        raise _fail(
+            "model",
+            f"draft hidden_size {info.hidden_size} does not match the target's "
+            f"{t_hidden} ({target})",
+            "use a draft trained for this target (eagle-vllm train)",
+        )
+    if t_vocab is not None and info.vocab_size != t_vocab:
+        raise _fail(
+            "model",
+            f"draft vocab_size {info.vocab_size} does not match the target's "
+            f"{t_vocab} ({target})",
+            "use a draft trained for this target's tokenizer",
+        )
+    if max_model_len is not None and cfg.num_draft_slots + 1 >= max_model_len:
+        key = "total_tokens" if cfg.method == "eagle2" else "num_speculative_tokens"
+        raise _fail(
+            key,
+            f"{cfg.num_draft_slots} drafts per step do not fit max_model_len {max_model_len}",
+            "use fewer draft tokens or a longer max_model_len",
+        )
+
+
+def is_eagle_vllm_request(spec: Any) -> bool:
+    """Whether a ``speculative_config`` value is meant for this plugin.
+
+    A file path always is. A dict is when its method is ``eagle2`` or it uses a
+    key that only this plugin has; plain ``{"method": "eagle", ...}`` stays
+    vLLM's built-in EAGLE (the baseline).
+    """
+    if isinstance(spec, (str, os.PathLike)):
+        return True
+    if isinstance(spec, dict):
+        if spec.get("_eagle_vllm_source"):
+            return True
+        if spec.get("method") == "eagle2":
+            return True
+        return bool({"topk", "total_tokens", "draft_sample_method"} & set(spec))
+    return False

@@ -1,0 +1,258 @@
+"""The plugin's drafter: EAGLE feature-level drafting of a chain or an EAGLE-2 tree.
+
+One code path serves both methods; a chain is a tree with ``topk = 1``.
+
+1. **First pass** (vLLM attention, paged KV): the draft runs over the tokens
+   the target just verified, with features shifted by one, exactly like vLLM's
+   own EAGLE proposer. This writes the draft KV of the accepted prefix and
+   yields the root's draft feature; the root is the token the target just
+   sampled, so the first draft distribution comes from the target's true
+   feature of the last accepted token.
+2. **Tree expansion** (``tree.builder``): depth by depth, the ``topk`` frontier
+   nodes of every request go through the draft's decoder layers in one batched
+   forward. Their attention sees the draft KV of the prefix (read from the
+   paged cache) plus their own tree ancestors, held in memory, so tree nodes
+   never write into the paged cache and cannot overwrite prefix KV.
+3. **Rerank** to ``total_tokens`` nodes; the flat node tokens (parents first)
+   are handed to vLLM's scheduler as this request's draft tokens.
+
+Touches vLLM 0.32 internals: ``EagleProposer`` first-pass helpers
+(``set_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
+``build_model_inputs_first_pass``), ``set_forward_context``, and the draft
+layers' ``self_attn.attn`` modules (temporarily swapped during expansion).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.eagle import EagleProposer
+
+from eagle_vllm.attention.paged_kv import check_cpu_isa, gather_cpu_kv
+from eagle_vllm.attention.reference import prefix_tree_attention
+from eagle_vllm.config import EagleSpecConfig
+from eagle_vllm.models.eagle_llama import ARCHITECTURE
+from eagle_vllm.tree.builder import TreeBuilder
+from eagle_vllm.tree.layout import DraftTree
+
+
+@dataclass
+class DraftedTrees:
+    """What the last ``propose`` produced, for the verifier of the next step."""
+
+    req_ids: list[str]
+    tree: DraftTree
+
+
+class _TreeNodeAttention(nn.Module):
+    """Stands in for a draft layer's vLLM ``Attention`` during tree expansion.
+
+    Keeps the K/V of every node expanded so far; each new query attends to
+    the request's prefix (from the paged cache) and to the nodes ``mask`` allows.
+    """
+
+    def __init__(self, attn: nn.Module, prefix_k, prefix_v, prefix_lens, batch: int):
+        super().__init__()
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_size = attn.head_size
+        self.scale = attn.impl.scale
+        self.prefix_k, self.prefix_v, self.prefix_lens = prefix_k, prefix_v, prefix_lens
+        self.node_k = prefix_k.new_zeros(batch, 0, self.num_kv_heads, self.head_size)
+        self.node_v = self.node_k
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None
+        batch, width = self.mask.shape[:2]
+        q = q.view(batch, width, self.num_heads, self.head_size)
+        k = k.view(batch, width, self.num_kv_heads, self.head_size)
+        v = v.view(batch, width, self.num_kv_heads, self.head_size)
+        self.node_k = torch.cat([self.node_k, k.to(self.node_k.dtype)], dim=1)
+        self.node_v = torch.cat([self.node_v, v.to(self.node_v.dtype)], dim=1)
+        out = prefix_tree_attention(
+            q,
+            self.prefix_k,
+            self.prefix_v,
+            self.prefix_lens,
+            self.node_k,
+            self.node_v,
+            self.mask,
+            self.scale,
+        )
+        return out.reshape(batch * width, self.num_heads * self.head_size)
+
+
+class EagleTreeProposer(EagleProposer):
+    """vLLM's ``EagleProposer`` with the plugin's draft model and tree drafting."""
+
+    def __init__(self, vllm_config, device, runner, eagle_config: EagleSpecConfig):
+        super().__init__(vllm_config, device, runner)
+        self.eagle_config = eagle_config
+        self.last_drafts: DraftedTrees | None = None
+        self._runner = runner
+
+    # -- loading -----------------------------------------------------------
+    def _get_model(self) -> nn.Module:
+        # Route the draft to the plugin's architecture (fc bias, no attention-bias mixup).
+        self.speculative_config.draft_model_config.hf_config.architectures = [ARCHITECTURE]
+        return super()._get_model()
+
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)
+        target_hidden = target_model.config.hidden_size
+        draft_hidden = self.model.config.hidden_size
+        if target_hidden != draft_hidden:
+            raise ValueError(
+                f"eagle_vllm: draft hidden_size {draft_hidden} does not match the "
+                f"target's {target_hidden}. Fix: use a draft trained for this target."
+            )
+
+    def _draft_layers(self) -> list[nn.Module]:
+        return list(self.model.model.layers)
+
+    # -- drafting ----------------------------------------------------------
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        self._last_draft_probs = None
+        batch_size = common_attn_metadata.batch_size()
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
+        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
+            num_tokens
+        )
+        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
+            num_tokens, num_input_tokens, None
+        )
+        with set_forward_context(
+            per_layer_attn_metadata,
+            self.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=tokens_across_dp,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+        ):
+            out = self.model(**model_kwargs)
+        last_hidden, hidden = out if self.model_returns_tuple() else (out, out)
+
+        num_drafts = int(num_speculative_tokens)
+        req_ids = list(self._runner.input_batch.req_ids[:batch_size])
+        if num_drafts == 0:
+            self.last_drafts = None
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
+
+        root_hidden = hidden[token_indices_to_sample]
+        root_logits = self.model.compute_logits(last_hidden[token_indices_to_sample])
+        root_positions = self.positions[token_indices_to_sample].to(torch.int64)
+        tree = self.draft_tree(
+            root_tokens=next_token_ids[:batch_size].to(torch.int64),
+            root_hidden=root_hidden,
+            root_logits=root_logits,
+            root_positions=root_positions,
+            block_table=cad.block_table_tensor[:batch_size],
+            total_tokens=min(self.eagle_config.total_tokens, num_drafts + 1),
+        )
+        self.last_drafts = DraftedTrees(req_ids=req_ids, tree=tree)
+        drafts = tree.tokens[:, 1 : num_drafts + 1]
+        if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)
+            drafts = torch.nn.functional.pad(drafts, (0, num_drafts - drafts.shape[1]), value=0)
+        return drafts.clamp(min=0)
+
+    @torch.inference_mode()
+    def draft_tree(
+        self,
+        root_tokens: torch.Tensor,
+        root_hidden: torch.Tensor,
+        root_logits: torch.Tensor,
+        root_positions: torch.Tensor,
+        block_table: torch.Tensor,
+        total_tokens: int,
+    ) -> DraftTree:
+        """Expand and rerank a tree per request, starting from the root's draft output."""
+        cfg = self.eagle_config
+        batch = root_tokens.shape[0]
+        builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, cfg.num_speculative_tokens)
+        builder.step(torch.log_softmax(root_logits.float(), dim=-1)[:, None, :])
+        if cfg.num_speculative_tokens == 1:
+            return builder.finalize(pad_to=total_tokens)
+
+        layers = self._draft_layers()
+        prefix_lens = root_positions + 1  # draft KV at positions <= root's
+        max_prefix = int(prefix_lens.max())
+        shims = []
+        for layer in layers:
+            attn = layer.self_attn.attn
+            kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+            check_cpu_isa(getattr(attn, "isa", "unknown"))
+            prefix_k, prefix_v = gather_cpu_kv(kv_cache, block_table, max_prefix)
+            shims.append(_TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, batch))
+
+        max_position = self.max_model_len - 1
+        node_hidden = root_hidden[:, None, :]
+        node_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=root_hidden.device)
+        with _swapped_attention(layers, shims):
+            for depth in range(1, cfg.num_speculative_tokens):
+                frontier = builder.frontier()
+                width = frontier.tokens.shape[1]
+                parent_rows = frontier.parent_frontier_index.clamp(min=0)
+                parent_hidden = torch.gather(
+                    node_hidden, 1, parent_rows[:, :, None].expand(-1, -1, node_hidden.shape[-1])
+                )
+                # Ancestors of a new node = ancestors of its parent (a node of the
+                # previous frontier) plus itself.
+                inherited = torch.gather(
+                    node_mask, 1, parent_rows[:, :, None].expand(-1, -1, node_mask.shape[-1])
+                )
+                own = torch.eye(width, dtype=torch.bool, device=node_mask.device)
+                node_mask = torch.cat([inherited, own[None].expand(batch, -1, -1)], dim=2)
+                for shim in shims:
+                    shim.mask = node_mask
+                positions = (root_positions[:, None] + depth).clamp(max=max_position)
+                x = self.model.combine_features(
+                    frontier.tokens.clamp(min=0).reshape(-1),
+                    parent_hidden.reshape(batch * width, -1),
+                )
+                residual = None
+                for layer in layers:
+                    x, residual = layer(positions.reshape(-1), x, residual)
+                node_hidden = (x + residual).view(batch, width, -1)
+                logits = self.model.compute_logits(node_hidden.reshape(batch * width, -1))
+                logprobs = torch.log_softmax(logits.float(), dim=-1).view(batch, width, -1)
+                builder.step(logprobs)
+        return builder.finalize(pad_to=total_tokens)
+
+
+@contextlib.contextmanager
+def _swapped_attention(layers: list[nn.Module], shims: list[nn.Module]):
+    originals = [layer.self_attn.attn for layer in layers]
+    try:
+        for layer, shim in zip(layers, shims):
+            layer.self_attn.attn = shim
+        yield
+    finally:
+        for layer, original in zip(layers, originals):
+            layer.self_attn.attn = original

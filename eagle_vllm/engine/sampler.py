@@ -1,0 +1,154 @@
+"""vLLM glue for verification: target logits in, accepted tokens out.
+
+Replaces vLLM's ``RejectionSampler`` in the runner. The target logits of every
+draft position get the same processing as vLLM's own sampler applies
+(penalties, allowed/bad words, min_tokens, temperature, top-k, top-p, and
+min-p, which vLLM 0.32's rejection sampler skips on draft positions); the
+accept/reject decision is the plugin's pure-torch verifier (``eagle_vllm.verify``),
+whose exactness is tested at the distribution level. The bonus token comes
+from vLLM's own sampler, so per-request seeds and logprobs behave as in vLLM.
+
+Written against vLLM 0.32 (vllm/v1/sample/rejection_sampler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+from vllm.v1.sample.rejection_sampler import (
+    GREEDY_TEMPERATURE,
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    apply_sampling_constraints,
+)
+
+from eagle_vllm.verify import deterministic_tree_verify, greedy_verify
+
+
+class ExactRejectionSampler(RejectionSampler):
+    """Verifies drafts as trees (a chain is a tree) with exact rules."""
+
+    def __init__(self, sampler, spec_config=None, device=None, tree_source=None):
+        super().__init__(sampler, spec_config, device)
+        # Callable(req_ids) -> parents [B, N] or None (chain). Set by the runner.
+        self.tree_source = tree_source
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        bonus_out = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits"
+            if self.is_processed_logprobs_mode
+            else "raw_logits",
+        )
+        bonus_tokens = bonus_out.sampled_token_ids.view(-1)
+
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        target_logits = raw_target_logits
+        if not self.is_processed_logprobs_mode:
+            target_logits = target_logits.clone()
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
+        target_logits = apply_sampling_constraints(
+            target_logits, metadata.cu_num_draft_tokens, sampling_metadata
+        )
+        output_token_ids = self.verify(metadata, target_logits, bonus_tokens, sampling_metadata)
+
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs,
+                metadata,
+                logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_out.logprobs_tensors.logprobs,
+                output_token_ids,
+            )
+        return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=logprobs_tensors)
+
+    def verify(self, metadata, target_logits, bonus_tokens, sampling_metadata) -> torch.Tensor:
+        """Per request: walk the draft tree, return ``[path tokens..., final token, -1...]``."""
+        num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64)
+        batch = num_drafts.shape[0]
+        max_drafts = metadata.max_spec_len
+        num_nodes = num_drafts + 1
+        device = target_logits.device
+        vocab = target_logits.shape[-1]
+
+        # Node i's row: the target distribution after node i. Draft positions
+        # give rows 0..n-1; the last node's row is the bonus token (already
+        # sampled by vLLM's sampler), represented as a one-hot distribution.
+        offsets = torch.arange(max_drafts + 1)
+        starts = torch.cumsum(num_drafts, 0) - num_drafts
+        valid = offsets[None, :] < num_drafts[:, None]
+        row_index = (starts[:, None] + offsets[None, :]).clamp(max=max(target_logits.shape[0] - 1, 0))
+
+        tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64)
+        draft_ids = metadata.draft_token_ids.to("cpu", torch.int64)
+        tokens[:, 1:][valid[:, :max_drafts]] = draft_ids
+        tokens[:, 0] = 0
+        parents = self._parents(num_nodes, max_drafts + 1)
+
+        is_greedy = sampling_metadata.temperature is None or sampling_metadata.all_greedy
+        if is_greedy:
+            greedy_rows = torch.ones(batch, dtype=torch.bool)
+        else:
+            greedy_rows = (sampling_metadata.temperature == GREEDY_TEMPERATURE).cpu()
+
+        output = torch.full((batch, max_drafts + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+        if target_logits.shape[0] == 0:
+            scores = torch.zeros(batch, max_drafts + 1, vocab)
+        else:
+            scores = target_logits.to("cpu")[row_index]  # [B, N, V]
+        scores = scores.masked_fill(~valid[:, :, None], 0.0)
+        leaf = num_drafts
+        bonus = bonus_tokens.to("cpu", torch.int64)
+
+        if greedy_rows.any():
+            idx = greedy_rows.nonzero().view(-1)
+            g_scores = scores[idx].clone()
+            g_scores[torch.arange(idx.numel()), leaf[idx]] = -torch.inf
+            g_scores[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 0.0
+            res = greedy_verify(tokens[idx], parents[idx], num_nodes[idx], g_scores)
+            output[idx] = res.output_tokens
+        if (~greedy_rows).any():
+            idx = (~greedy_rows).nonzero().view(-1)
+            probs = torch.softmax(scores[idx], dim=-1)
+            probs = _apply_min_p(probs, sampling_metadata, idx, max_drafts + 1)
+            probs[torch.arange(idx.numel()), leaf[idx]] = 0.0
+            probs[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 1.0
+            generators = [sampling_metadata.generators.get(int(i)) for i in idx]
+            res = deterministic_tree_verify(
+                tokens[idx], parents[idx], num_nodes[idx], probs, generators=generators
+            )
+            output[idx] = res.output_tokens
+        return output.to(device)
+
+    def _parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
+        if self.tree_source is not None:
+            parents = self.tree_source(num_nodes, width)
+            if parents is not None:
+                return parents
+        parents = torch.arange(width, dtype=torch.int64)[None, :].repeat(num_nodes.shape[0], 1) - 1
+        parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
+        return parents
+
+
+def _apply_min_p(probs: torch.Tensor, sampling_metadata, idx: torch.Tensor, width: int):
+    """min-p on draft positions (vLLM's sampler applies it to the bonus row only)."""
+    min_p = None
+    for proc in sampling_metadata.logitsprocs.argmax_invariant:
+        if isinstance(proc, MinPLogitsProcessor) and proc.min_p_count > 0:
+            min_p = proc.min_p
+    if min_p is None:
+        return probs
+    min_p = min_p.to("cpu")[idx].view(-1, 1, 1)
+    if not (min_p > 0).any():
+        return probs
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+

@@ -1,0 +1,51 @@
+"""Workers that build the plugin's runner (vLLM 0.32).
+
+Selected through ``worker_cls="eagle_vllm.engine.worker.EagleWorker"``, which
+the plugin's config sets; vLLM keeps an explicit ``worker_cls`` on CPU and CUDA.
+
+* CPU: ``CPUWorker.init_device`` constructs ``CPUModelRunner`` by its
+  module-global name (no hook in 0.32), so the name is swapped for the
+  duration of the call.
+* CUDA: ``Worker._make_model_runner`` is the official hook.
+"""
+
+from __future__ import annotations
+
+from vllm.platforms import current_platform
+
+
+def _cpu_worker_cls():
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    from eagle_vllm.engine.runner import EagleCPUModelRunner
+
+    class EagleCPUWorker(cpu_worker.CPUWorker):
+        def init_device(self):
+            original = cpu_worker.CPUModelRunner
+            cpu_worker.CPUModelRunner = EagleCPUModelRunner
+            try:
+                super().init_device()
+            finally:
+                cpu_worker.CPUModelRunner = original
+
+    return EagleCPUWorker
+
+
+def _gpu_worker_cls():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from eagle_vllm.engine.runner import EagleGPUModelRunner
+
+    class EagleGPUWorker(Worker):
+        def _make_model_runner(self):
+            if self.use_v2_model_runner:
+                raise RuntimeError(
+                    "eagle_vllm needs vLLM's V1 model runner. Fix: set "
+                    "VLLM_USE_V2_MODEL_RUNNER=0."
+                )
+            return EagleGPUModelRunner(self.vllm_config, self.device)
+
+    return EagleGPUWorker
+
+
+EagleWorker = _cpu_worker_cls() if current_platform.is_cpu() else _gpu_worker_cls()

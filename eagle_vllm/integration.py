@@ -1,0 +1,75 @@
+"""Turning a user's speculative config into vLLM engine arguments (front-end side)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle_vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    EagleConfigError,
+    is_eagle_vllm_request,
+    parse_speculative_config,
+    validate_against_target,
+)
+
+_SOURCE_KEY = "_eagle_vllm_source"
+
+
+def speculative_config_arg(value: str) -> dict[str, Any]:
+    """argparse type for ``--speculative-config``: inline JSON or a YAML/JSON file."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EagleConfigError(
+                f"--speculative-config is not valid JSON ({exc}). Fix: pass a JSON "
+                "object or the path of a .yaml/.yml/.json file."
+            ) from None
+    if not Path(value).exists():
+        raise EagleConfigError(
+            f"--speculative-config '{value}' is neither JSON nor an existing file. "
+            "Fix: pass a JSON object or the path of a .yaml/.yml/.json file."
+        )
+    return {_SOURCE_KEY: str(Path(value).resolve())}
+
+
+def resolve(
+    spec: Any, *, target: str | None = None, max_model_len: int | None = None
+) -> dict[str, Any] | None:
+    """Engine kwargs for an eagle_vllm config, or None when ``spec`` is not one."""
+    if not is_eagle_vllm_request(spec):
+        return None
+    if isinstance(spec, dict) and _SOURCE_KEY in spec:
+        spec = spec[_SOURCE_KEY]
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    cfg = parse_speculative_config(spec, target=target)
+    if target is not None:
+        validate_against_target(cfg, target, max_model_len)
+    return cfg.engine_kwargs()
+
+
+def apply_to_engine_args(engine_args) -> None:
+    """Rewrite ``EngineArgs`` in place when its speculative config is eagle_vllm's."""
+    extra = engine_args.additional_config or {}
+    if isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra:
+        return  # already resolved (e.g. by eagle_vllm.LLM)
+    kwargs = resolve(
+        engine_args.speculative_config,
+        target=engine_args.model,
+        max_model_len=engine_args.max_model_len,
+    )
+    if kwargs is None:
+        return
+    if engine_args.worker_cls not in ("auto", kwargs["worker_cls"]):
+        raise EagleConfigError(
+            f"worker_cls '{engine_args.worker_cls}' conflicts with eagle_vllm, which "
+            f"needs '{kwargs['worker_cls']}'. Fix: leave worker_cls unset."
+        )
+    engine_args.speculative_config = kwargs["speculative_config"]
+    engine_args.additional_config = {**extra, **kwargs["additional_config"]}
+    engine_args.worker_cls = kwargs["worker_cls"]

@@ -1,0 +1,1 @@
+"""Draft models and checkpoint handling."""

@@ -1,0 +1,56 @@
+"""EAGLE-1 draft model for Llama-family targets, built from vLLM layers.
+
+    f_hat_{j+1} = Decoder( fc( [embed(t_{j+1}) ; f_j] ) )      (SafeAILab cnets1.py)
+
+* ``fc``: Linear(2H -> H), with a bias when the checkpoint carries ``fc.bias``
+  (SafeAILab's default; stock vLLM 0.32 builds it without one and cannot load it).
+* one or more vLLM ``LlamaDecoderLayer``s (paged KV cache, TP-sharded linears);
+  layer 0 has no ``input_layernorm``; there is no final norm.
+* ``embed_tokens`` and ``lm_head`` are the target's: vLLM's EAGLE loader
+  replaces the draft's modules by the target's (frozen, not duplicated).
+
+Written against vLLM 0.32 (vllm/model_executor/models/llama_eagle.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+from vllm.model_executor.models.utils import maybe_prefix
+
+from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+ARCHITECTURE = "EagleVllmLlamaForCausalLM"
+
+
+class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
+    """vLLM's EAGLE Llama head with SafeAILab's fc bias and no attention-bias confusion."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        spec = vllm_config.speculative_config
+        assert spec is not None and spec.draft_model_config is not None
+        hf_config = spec.draft_model_config.hf_config
+        info = inspect_draft_checkpoint(str(spec.draft_model_config.model))
+        # vLLM's LlamaAttention reads `config.bias` as the q/k/v/o bias, while
+        # SafeAILab's config.json uses it for the fc bias. Keep them apart.
+        hf_config.bias = bool(getattr(hf_config, "attention_bias", False))
+        hf_config.eagle_fc_bias = info.fc_bias
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if info.fc_bias:
+            old_fc = self.model.fc
+            self.model.fc = ReplicatedLinear(
+                input_size=hf_config.hidden_size * 2,
+                output_size=hf_config.hidden_size,
+                bias=True,
+                params_dtype=vllm_config.model_config.dtype,
+                quant_config=old_fc.quant_config,
+                prefix=maybe_prefix(maybe_prefix(prefix, "model"), "fc"),
+                return_bias=False,
+            )
+
+    def combine_features(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([embed(t); f]): the decoder input for a (token, feature) pair."""
+        embeds = self.model.embed_tokens(input_ids)
+        return self.model.fc(torch.cat((embeds, features), dim=-1))

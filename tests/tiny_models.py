@@ -1,0 +1,160 @@
+"""Tiny Llama targets and EAGLE drafts built on the spot (no hub), for tests.
+
+* ``build_tokenizer``: a word-level tokenizer (``w0 .. wN`` plus specials).
+* ``build_target``: a random tiny Llama in float32; ``oracle=True`` zeroes every
+  ``o_proj``/``down_proj`` so the next token depends only on the current one.
+* ``build_draft``: a SafeAILab-layout EAGLE-1 head (``config.json`` +
+  ``model.safetensors``): ``random``, ``oracle`` (``fc = [I | 0]``, zero
+  ``o_proj``/``down_proj``: reproduces an oracle target exactly), optionally
+  with noise and/or an ``fc.bias``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB_WORDS = 250
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+HIDDEN = 256
+HEADS = 4
+KV_HEADS = 2
+INTERMEDIATE = 256
+
+
+def build_tokenizer(path: Path) -> int:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for i in range(VOCAB_WORDS):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(str(path))
+    return len(vocab)
+
+
+def _llama_config(vocab_size: int, layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
+def build_target(path: Path, *, oracle: bool = False, layers: int = 2, seed: int = 0) -> Path:
+    from transformers import LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(path)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config(vocab_size, layers)).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+            if oracle:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        if oracle:
+            model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def build_draft(
+    path: Path,
+    target: Path,
+    *,
+    kind: str = "random",
+    noise: float = 0.0,
+    fc_bias: float | None = None,
+    with_embed: bool = False,
+    bin_format: bool = False,
+    seed: int = 1,
+) -> Path:
+    """Write a SafeAILab-layout EAGLE-1 head for ``target``."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    target_cfg = json.loads((target / "config.json").read_text())
+    vocab = target_cfg["vocab_size"]
+    h, kv = HIDDEN, KV_HEADS * (HIDDEN // HEADS)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    weights = {
+        "fc.weight": rnd(h, 2 * h, std=0.1),
+        "layers.0.self_attn.q_proj.weight": rnd(h, h),
+        "layers.0.self_attn.k_proj.weight": rnd(kv, h),
+        "layers.0.self_attn.v_proj.weight": rnd(kv, h),
+        "layers.0.self_attn.o_proj.weight": rnd(h, h),
+        "layers.0.mlp.gate_proj.weight": rnd(INTERMEDIATE, h),
+        "layers.0.mlp.up_proj.weight": rnd(INTERMEDIATE, h),
+        "layers.0.mlp.down_proj.weight": rnd(h, INTERMEDIATE),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+    }
+    if kind == "oracle":
+        weights["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        weights["layers.0.self_attn.o_proj.weight"].zero_()
+        weights["layers.0.mlp.down_proj.weight"].zero_()
+        if noise:
+            weights["fc.weight"] += rnd(h, 2 * h, std=noise)
+            weights["layers.0.self_attn.o_proj.weight"] += rnd(h, h, std=noise)
+    elif kind != "random":
+        raise ValueError(kind)
+    if fc_bias is not None:
+        weights["fc.bias"] = rnd(h, std=fc_bias)
+    if with_embed:
+        target_weights = load_file(str(target / "model.safetensors"))
+        weights["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"].clone()
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": target_cfg["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "bias": fc_bias is not None,
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    weights = {k: v.contiguous().float() for k, v in weights.items()}
+    if bin_format:
+        torch.save(weights, path / "pytorch_model.bin")
+    else:
+        save_file(weights, str(path / "model.safetensors"))
+    return path

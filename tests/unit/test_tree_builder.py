@@ -1,0 +1,544 @@
+"""Property tests for the EAGLE-2 tree builder and the tree layout helpers.
+
+The builder is checked against a brute-force pure-Python reference of the
+expand + rerank procedure, against a port of SafeAILab's ``topK_genrate``
+selection logic, and against hand-worked tie cases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_vllm.tree.builder import TreeBuilder
+from eagle_vllm.tree.layout import (
+    DraftTree,
+    ancestor_mask,
+    chain_tree,
+    check_tree,
+    children_arrays,
+    leaf_mask,
+    retrieve_indices,
+    truncate,
+)
+
+torch.set_num_threads(1)
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------
+# fake draft model: a fixed random distribution per (request, path)
+# --------------------------------------------------------------------------
+class FakeDraft:
+    """Deterministic random log-probs per (request, token path).
+
+    mode "cont": continuous log-softmax values (no ties);
+    mode "quant": few distinct values, many exact ties (including log 1 = 0,
+        so child score == parent score), but the k-th and (k+1)-th values of
+        each row always differ so the proposed token SET is well defined;
+    mode "inf": one token at 0.0 and -inf elsewhere (requires V == topk).
+    """
+
+    def __init__(self, rng: np.random.RandomState, vocab: int, topk: int, mode: str):
+        self.rng, self.vocab, self.topk, self.mode = rng, vocab, topk, mode
+        self.cache: dict[tuple, np.ndarray] = {}
+
+    def _make(self) -> np.ndarray:
+        v, k, rng = self.vocab, self.topk, self.rng
+        if self.mode == "cont":
+            x = rng.randn(v) * 2.0
+            x = x - x.max()
+            x = x - math.log(np.exp(x).sum())
+            return x.astype(np.float32)
+        if self.mode == "inf":
+            x = np.full(v, NEG_INF, dtype=np.float32)
+            x[rng.randint(v)] = 0.0
+            return x
+        top = -rng.randint(0, 3, size=k).astype(np.float32)  # {0, -1, -2}
+        rest_hi = top.min() - 1.0
+        rest = rest_hi - rng.randint(0, 3, size=v - k).astype(np.float32)
+        if v > k and rng.rand() < 0.3:
+            rest[rng.rand(v - k) < 0.5] = NEG_INF
+        x = np.concatenate([top, rest]).astype(np.float32)
+        return x[rng.permutation(v)]
+
+    def __call__(self, b: int, path: tuple) -> np.ndarray:
+        key = (b, path)
+        if key not in self.cache:
+            self.cache[key] = self._make()
+        return self.cache[key]
+
+
+def run_builder(roots, topk, total_tokens, depth, draft, pad_to=None, order="rank"):
+    """Drive TreeBuilder like the runner would; returns (tree, all_logprobs)."""
+    bsz = len(roots)
+    tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, total_tokens, depth)
+    fr = tb.frontier()
+    assert fr.width == 1 and fr.depth == 0
+    assert fr.tokens[:, 0].tolist() == list(roots)
+    paths = [[(r,)] for r in roots]
+    all_lp = []
+    prev_rows = fr.rows
+    prev_anc = fr.ancestor_rows
+    for d in range(depth):
+        lp = torch.stack(
+            [torch.stack([torch.from_numpy(draft(b, p)) for p in paths[b]]) for b in range(bsz)]
+        )
+        all_lp.append(lp)
+        fr = tb.step(lp)
+        assert fr.depth == d + 1
+        assert fr.width == topk
+        pfi = fr.parent_frontier_index.tolist()
+        toks = fr.tokens.tolist()
+        paths = [[paths[b][pfi[b][j]] + (toks[b][j],) for j in range(fr.width)] for b in range(bsz)]
+        # ancestor rows extend the parent's ancestor rows with the new row
+        exp_anc = torch.cat(
+            [
+                prev_anc.gather(1, fr.parent_frontier_index[:, :, None].expand(-1, -1, d + 1)),
+                fr.rows.expand(bsz, -1)[:, :, None],
+            ],
+            dim=2,
+        )
+        assert torch.equal(fr.ancestor_rows, exp_anc)
+        assert int(fr.rows[0]) == int(prev_rows[-1]) + 1
+        prev_rows, prev_anc = fr.rows, fr.ancestor_rows
+    assert tb.steps_done == depth
+    tree = tb.finalize(pad_to=pad_to, order=order)
+    lp_all = torch.cat(all_lp, dim=1) if all_lp else None
+    if lp_all is not None:
+        assert lp_all.shape[1] == TreeBuilder.num_rows(topk, depth)
+    return tree, lp_all
+
+
+# --------------------------------------------------------------------------
+# brute-force reference
+# --------------------------------------------------------------------------
+def f32(x) -> np.float32:
+    return np.float32(x)
+
+
+def reference(root, draft_b, topk, depth, total_tokens, order="rank"):
+    """Pure-Python EAGLE-2 expand + rerank for one request.
+
+    Returns (selected nodes in output order, all candidates); each node is a
+    dict with id, token, score, depth, parent (candidate id), prow, path.
+    """
+    cands = []
+    frontier = [dict(id=0, path=(root,), score=f32(0.0), row=0)]
+    next_row, nid = 1, 1
+    for d in range(1, depth + 1):
+        children = []
+        for fn in frontier:
+            lp = draft_b(fn["path"])
+            kids = sorted(range(len(lp)), key=lambda t: (-lp[t], t))[:topk]
+            for t in kids:
+                val = min(f32(lp[t]), f32(0.0))
+                children.append(
+                    dict(
+                        id=nid,
+                        token=t,
+                        score=f32(fn["score"] + val),
+                        depth=d,
+                        parent=fn["id"],
+                        prow=fn["row"],
+                        path=fn["path"] + (t,),
+                    )
+                )
+                nid += 1
+        cands += children
+        best = sorted(children, key=lambda c: (-c["score"], c["id"]))[:topk]
+        frontier = [
+            dict(id=c["id"], path=c["path"], score=c["score"], row=next_row + j)
+            for j, c in enumerate(best)
+        ]
+        next_row += len(best)
+    m = max(0, min(total_tokens - 1, len(cands)))
+    sel = sorted(cands, key=lambda c: (-c["score"], c["depth"], c["id"]))[:m]
+    if order == "id":
+        sel.sort(key=lambda c: c["id"])
+    return sel, cands
+
+
+def brute_ancestor_mask(parents, n_nodes, width):
+    mask = [[False] * width for _ in range(width)]
+    for i in range(n_nodes):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = parents[j]
+    return mask
+
+
+def check_against_reference(tree: DraftTree, lp_all, roots, topk, depth, tts, draft, order="rank"):
+    check_tree(tree)
+    bsz = len(roots)
+    width = tree.max_nodes
+    anc = ancestor_mask(tree).tolist()
+    first, nxt = children_arrays(tree)
+    first, nxt = first.tolist(), nxt.tolist()
+    leaves = leaf_mask(tree).tolist()
+    ri = retrieve_indices(tree).tolist()
+    for b in range(bsz):
+        sel, cands = reference(roots[b], lambda p, b=b: draft(b, p), topk, depth, tts[b], order)
+        n = len(sel) + 1
+        assert int(tree.num_nodes[b]) == n
+        pos = {0: 0}
+        for i, c in enumerate(sel):
+            pos[c["id"]] = i + 1
+        exp_tokens = [roots[b]] + [c["token"] for c in sel]
+        exp_parents = [-1] + [pos[c["parent"]] for c in sel]  # KeyError = disconnected
+        exp_depths = [0] + [c["depth"] for c in sel]
+        exp_scores = [0.0] + [float(c["score"]) for c in sel]
+        exp_prow = [-1] + [c["prow"] for c in sel]
+        pad = width - n
+        assert tree.tokens[b].tolist() == exp_tokens + [-1] * pad
+        assert tree.parents[b].tolist() == exp_parents + [-1] * pad
+        assert tree.depths[b].tolist() == exp_depths + [-1] * pad
+        assert tree.scores[b].tolist() == exp_scores + [NEG_INF] * pad
+        assert tree.parent_row[b].tolist() == exp_prow + [-1] * pad
+
+        # selected set == top-m of ALL candidates by value (multiset of scores)
+        all_scores = sorted((float(c["score"]) for c in cands), reverse=True)
+        assert sorted(exp_scores[1:], reverse=True) == all_scores[: n - 1]
+        # and every unselected candidate is not better than the worst selected
+        if 1 < n <= len(cands):
+            worst = min(exp_scores[1:])
+            chosen = {c["id"] for c in sel}
+            for c in cands:
+                if c["id"] not in chosen:
+                    assert float(c["score"]) <= worst
+                    if float(c["score"]) == worst:  # tie: never shallower than a chosen one
+                        assert c["depth"] >= max(
+                            s["depth"] for s in sel if float(s["score"]) == worst
+                        )
+
+        # parent_row indexes the distribution each node was drawn from
+        for i in range(1, n):
+            p = exp_parents[i]
+            lp = float(lp_all[b, exp_prow[i], exp_tokens[i]].clamp(max=0.0))
+            assert float(f32(f32(exp_scores[p]) + f32(lp))) == exp_scores[i]
+
+        # ancestor mask
+        bm = brute_ancestor_mask(exp_parents, n, width)
+        assert anc[b] == bm
+        # children arrays
+        kids = {i: [j for j in range(1, n) if exp_parents[j] == i] for i in range(n)}
+        for i in range(width):
+            ch = kids.get(i, [])
+            assert first[b][i] == (ch[0] if ch else -1)
+            for j, a in enumerate(ch):
+                assert nxt[b][a] == (ch[j + 1] if j + 1 < len(ch) else -1)
+            assert leaves[b][i] == (i < n and not ch)
+        # retrieve indices
+        leaf_ids = [i for i in range(n) if not kids[i]]
+        for row_i, leaf in enumerate(leaf_ids):
+            path = []
+            j = leaf
+            while j >= 0:
+                path.append(j)
+                j = exp_parents[j]
+            path = path[::-1]
+            row = ri[b][row_i]
+            assert row[: len(path)] == path and all(x == -1 for x in row[len(path) :])
+        for row in ri[b][len(leaf_ids) :]:
+            assert all(x == -1 for x in row)
+
+
+def random_case(seed: int, mode: str):
+    rng = np.random.RandomState(seed)
+    topk = int(rng.randint(1, 6))
+    vocab = topk if mode == "inf" else int(rng.randint(max(5, topk + 1), 51))
+    depth = int(rng.randint(1, 7))
+    bsz = int(rng.randint(1, 5))
+    tts = [int(x) for x in rng.randint(1, 41, size=bsz)]
+    roots = [int(x) for x in rng.randint(0, vocab, size=bsz)]
+    return rng, topk, vocab, depth, roots, tts
+
+
+@pytest.mark.parametrize("mode", ["cont", "quant", "inf"])
+def test_builder_matches_reference(mode):
+    n_cases = {"cont": 120, "quant": 160, "inf": 60}[mode]
+    for seed in range(n_cases):
+        rng, topk, vocab, depth, roots, tts = random_case(1000 * len(mode) + seed, mode)
+        draft = FakeDraft(rng, vocab, topk, mode)
+        tt_arg = torch.tensor(tts) if seed % 2 == 0 else tts[0]
+        if not isinstance(tt_arg, torch.Tensor):
+            tts = [tts[0]] * len(roots)
+        order = "rank" if seed % 3 else "id"
+        tree, lp_all = run_builder(roots, topk, tt_arg, depth, draft, order=order)
+        check_against_reference(tree, lp_all, roots, topk, depth, tts, draft, order)
+
+
+# --------------------------------------------------------------------------
+# hand-worked ties
+# --------------------------------------------------------------------------
+def _const_draft(values):
+    vals = np.asarray(values, dtype=np.float32)
+    return lambda b, path: vals
+
+
+@pytest.mark.parametrize(
+    "order, total, exp_tokens, exp_parents, exp_depths",
+    [
+        ("id", 1, [9], [-1], [0]),
+        ("id", 4, [9, 0, 0, 0], [-1, 0, 1, 2], [0, 1, 2, 3]),
+        ("id", 5, [9, 0, 1, 0, 0], [-1, 0, 0, 1, 3], [0, 1, 1, 2, 3]),
+        ("id", 7, [9, 0, 1, 0, 1, 0, 0], [-1, 0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3]),
+        ("rank", 1, [9], [-1], [0]),
+        ("rank", 4, [9, 0, 0, 0], [-1, 0, 1, 2], [0, 1, 2, 3]),
+        ("rank", 5, [9, 0, 0, 0, 1], [-1, 0, 1, 2, 0], [0, 1, 2, 3, 1]),
+        ("rank", 7, [9, 0, 0, 0, 1, 1, 0], [-1, 0, 1, 2, 0, 1, 4], [0, 1, 2, 3, 1, 2, 2]),
+    ],
+)
+def test_ties_shallow_first(order, total, exp_tokens, exp_parents, exp_depths):
+    # every distribution: token0 -> log 1 = 0, token1 -> -1, rest lower.
+    # candidates (id: score, depth): 1:0 d1, 2:-1 d1, 3:0 d2, 4:-1 d2, 5:-1 d2,
+    # 6:-2 d2, 7:0 d3, 8:-1 d3, 9:-1 d3, 10:-2 d3.
+    draft = _const_draft([0.0, -1.0, -5.0, -6.0, -7.0])
+    tree, _ = run_builder([9], 2, total, 3, draft, order=order)
+    check_tree(tree)
+    assert tree.tokens[0].tolist() == exp_tokens
+    assert tree.parents[0].tolist() == exp_parents
+    assert tree.depths[0].tolist() == exp_depths
+
+
+def test_all_equal_scores_stay_connected():
+    # all children have log-prob 0 -> every candidate ties with the root's children
+    for topk in (1, 2, 3):
+        draft = _const_draft([0.0] * topk + [-3.0] * 4)
+        for total in range(1, 30):
+            tree, _ = run_builder([1, 2], topk, total, 4, draft)
+            check_tree(tree)
+            n = int(tree.num_nodes[0])
+            d = tree.depths[0, :n].tolist()
+            assert d == sorted(d)  # shallow-first fill: a BFS prefix
+            # with all ties, the kept set is the first n-1 candidates by id
+            cnt = [topk] + [topk * topk] * 3
+            exp_depths, lvl = [0], 1
+            for c in cnt:
+                exp_depths += [lvl] * c
+                lvl += 1
+            assert d == exp_depths[:n]
+
+
+# --------------------------------------------------------------------------
+# SafeAILab port (selection logic of cnets.py topK_genrate, B = 1)
+# --------------------------------------------------------------------------
+def safeailab_select(root, draft, top_k, depth_ours, total_token):
+    sd = depth_ours - 1  # their `depth`: loop iterations after the root forward
+    scores_list, parents_list, ss_token = [], [], []
+    last_p = torch.from_numpy(draft(0, (root,)))
+    top = torch.topk(last_p, top_k, dim=-1)
+    topk_index, topk_p = top.indices, top.values
+    scores = topk_p
+    scores_list.append(scores[None])
+    parents_list.append(torch.zeros(1, dtype=torch.long))
+    ss_token.append(topk_index[None])
+    paths = [(root, int(t)) for t in topk_index]
+    topk_cs_index = torch.arange(top_k)
+    for i in range(sd):
+        bias1 = top_k if i > 0 else 0
+        bias2 = max(0, i - 1)
+        bias = 1 + top_k**2 * bias2 + bias1
+        parents_list.append(topk_cs_index + bias)
+        last_p = torch.stack([torch.from_numpy(draft(0, p)) for p in paths])
+        top = torch.topk(last_p, top_k, dim=-1)
+        topk_index, topk_p = top.indices, top.values
+        cu_scores = topk_p + scores[:, None]
+        topk_cs = torch.topk(cu_scores.view(-1), top_k, dim=-1)
+        topk_cs_index, scores = topk_cs.indices, topk_cs.values
+        out_ids = topk_cs_index // top_k
+        new_tok = topk_index.view(-1)[topk_cs_index]
+        paths = [paths[int(o)] + (int(t),) for o, t in zip(out_ids, new_tok, strict=True)]
+        ss_token.append(topk_index)
+        scores_list.append(cu_scores)
+    scores_list = torch.cat(scores_list, dim=0).view(-1)
+    ss_token_list = torch.cat(ss_token, dim=0).view(-1)
+    top_scores_index = torch.topk(scores_list, total_token - 1, dim=-1).indices
+    top_scores_index = torch.sort(top_scores_index).values
+    draft_tokens = torch.cat((torch.tensor([root]), ss_token_list[top_scores_index]))
+    draft_parents = torch.cat(parents_list, dim=0)[top_scores_index // top_k].long()
+    mask_index = torch.searchsorted(top_scores_index, draft_parents - 1, right=False)
+    mask_index[draft_parents == 0] = -1
+    mask_index = mask_index + 1
+    return draft_tokens.tolist(), [-1] + mask_index.tolist()
+
+
+def test_matches_safeailab_port():
+    for seed in range(60):
+        rng = np.random.RandomState(50_000 + seed)
+        topk = int(rng.randint(1, 6))
+        vocab = int(rng.randint(max(5, topk + 1), 51))
+        depth = int(rng.randint(1, 7))
+        n_cand = TreeBuilder.num_candidates(topk, depth)
+        total = int(rng.randint(2, n_cand + 2))
+        draft = FakeDraft(rng, vocab, topk, "cont")
+        root = int(rng.randint(vocab))
+        tree, _ = run_builder([root], topk, total, depth, draft, order="id")
+        toks, pars = safeailab_select(root, draft, topk, depth, total)
+        assert tree.tokens[0].tolist() == toks
+        assert tree.parents[0].tolist() == pars
+        # their position ids = depths
+        assert tree.depths[0].tolist() == [len(_path(pars, i)) - 1 for i in range(len(pars))]
+
+
+def _path(parents, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out
+
+
+# --------------------------------------------------------------------------
+# chains, truncation, padding, budgets
+# --------------------------------------------------------------------------
+def test_topk1_is_argmax_chain():
+    for seed in range(40):
+        rng = np.random.RandomState(7_000 + seed)
+        vocab = int(rng.randint(5, 51))
+        depth = int(rng.randint(1, 7))
+        bsz = int(rng.randint(1, 5))
+        roots = [int(x) for x in rng.randint(0, vocab, size=bsz)]
+        tts = [int(x) for x in rng.randint(1, 10, size=bsz)]
+        draft = FakeDraft(rng, vocab, 1, "cont")
+        tree, _ = run_builder(roots, 1, torch.tensor(tts), depth, draft)
+        check_tree(tree)
+        k = max(min(tts) - 1, 0)
+        chains, lps, lens = [], [], []
+        for b in range(bsz):
+            path, toks, lp = (roots[b],), [], []
+            for _ in range(depth):
+                x = draft(b, path)
+                t = int(np.argmax(x))
+                toks.append(t)
+                lp.append(float(x[t]))
+                path = path + (t,)
+            chains.append(toks)
+            lps.append(lp)
+            lens.append(min(depth, tts[b] - 1))
+        ct = chain_tree(
+            torch.tensor(chains),
+            torch.tensor(roots),
+            lengths=torch.tensor(lens),
+            logprobs=torch.tensor(lps).clamp(max=0.0),
+        )
+        ct = truncate(ct, ct.num_nodes)  # shrink to the same width
+        assert torch.equal(tree.tokens, ct.tokens)
+        assert torch.equal(tree.parents, ct.parents)
+        assert torch.equal(tree.depths, ct.depths)
+        assert torch.equal(tree.num_nodes, ct.num_nodes)
+        assert torch.equal(tree.parent_row, ct.parent_row)
+        assert torch.allclose(tree.scores, ct.scores)
+        assert k >= 0
+
+
+def test_chain_tree_layout():
+    toks = torch.tensor([[5, 6, 7], [1, 2, 3]])
+    ct = chain_tree(toks, torch.tensor([4, 0]), lengths=torch.tensor([3, 1]))
+    check_tree(ct)
+    assert ct.tokens.tolist() == [[4, 5, 6, 7], [0, 1, -1, -1]]
+    assert ct.parents.tolist() == [[-1, 0, 1, 2], [-1, 0, -1, -1]]
+    assert ct.depths.tolist() == [[0, 1, 2, 3], [0, 1, -1, -1]]
+    assert ct.num_nodes.tolist() == [4, 2]
+    assert retrieve_indices(ct).tolist() == [[[0, 1, 2, 3]], [[0, 1, -1, -1]]]
+    m = ancestor_mask(ct)
+    assert m[0].tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()
+    assert m[1].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    md = ancestor_mask(ct, pad_diag=True)
+    assert md[1].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_truncate_keeps_valid_prefix():
+    for seed in range(40):
+        rng, topk, vocab, depth, roots, tts = random_case(90_000 + seed, "quant")
+        draft = FakeDraft(rng, vocab, topk, "quant")
+        tree, _ = run_builder(roots, topk, torch.tensor(tts), depth, draft)
+        bsz = len(roots)
+        mx = torch.tensor(rng.randint(0, 42, size=bsz))
+        for shrink in (True, False):
+            t2 = truncate(tree, mx, shrink=shrink)
+            check_tree(t2)
+            k = torch.minimum(tree.num_nodes, mx.clamp(min=1))
+            assert torch.equal(t2.num_nodes, k)
+            w = t2.max_nodes
+            assert w == (int(k.max()) if shrink else tree.max_nodes)
+            for b in range(bsz):
+                kb = int(k[b])
+                assert t2.tokens[b, :kb].tolist() == tree.tokens[b, :kb].tolist()
+                assert t2.parents[b, :kb].tolist() == tree.parents[b, :kb].tolist()
+                assert t2.scores[b, :kb].tolist() == tree.scores[b, :kb].tolist()
+                assert t2.parent_row[b, :kb].tolist() == tree.parent_row[b, :kb].tolist()
+            a1 = ancestor_mask(tree)[:, :w, :w]
+            a2 = ancestor_mask(t2)
+            keep = t2.valid_mask()
+            assert torch.equal(a2, a1 & keep[:, :, None] & keep[:, None, :])
+        t3 = truncate(tree, 1)
+        assert t3.num_nodes.tolist() == [1] * bsz and t3.max_nodes == 1
+
+
+def test_per_request_budgets_and_pad_to():
+    rng = np.random.RandomState(3)
+    draft = FakeDraft(rng, 20, 3, "cont")
+    roots = [1, 2, 3, 4]
+    tts = torch.tensor([1, 2, 9, 100])  # root only, one draft, 8 drafts, clamped
+    tree, lp = run_builder(roots, 3, tts, 4, draft)
+    n_cand = TreeBuilder.num_candidates(3, 4)
+    assert tree.num_nodes.tolist() == [1, 2, 9, n_cand + 1]
+    assert tree.max_nodes == n_cand + 1
+    check_against_reference(tree, lp, roots, 3, 4, tts.tolist(), draft)
+    padded, _ = run_builder(roots, 3, tts, 4, draft, pad_to=64)
+    assert padded.max_nodes == 64
+    assert trees_equal(truncate(padded, padded.num_nodes), tree)
+    # pad_to below the budget clamps it; in rank order a prefix is the
+    # optimal smaller tree, so truncation == building with a smaller budget
+    small, _ = run_builder(roots, 3, tts, 4, draft, pad_to=5)
+    assert small.num_nodes.tolist() == [1, 2, 5, 5]
+    assert trees_equal(small, truncate(tree, 5))
+    small_id, lp = run_builder(roots, 3, tts.clamp(max=5), 4, draft, order="id")
+    check_against_reference(small_id, lp, roots, 3, 4, [1, 2, 5, 5], draft, "id")
+
+
+def trees_equal(a: DraftTree, b: DraftTree) -> bool:
+    return all(
+        torch.equal(getattr(a, f), getattr(b, f))
+        for f in ("tokens", "parents", "depths", "num_nodes", "scores", "parent_row")
+    )
+
+
+def test_no_drafts():
+    tb = TreeBuilder(torch.tensor([3, 4]), topk=4, total_tokens=1, depth=3)
+    tree = tb.finalize()  # without any step
+    check_tree(tree)
+    assert tree.tokens.tolist() == [[3], [4]] and tree.num_nodes.tolist() == [1, 1]
+    tb = TreeBuilder(torch.tensor([3]), topk=2, total_tokens=5, depth=0)
+    assert tb.finalize().num_nodes.tolist() == [1]
+    with pytest.raises(RuntimeError):
+        tb.step(torch.zeros(1, 1, 5))
+
+
+def test_partial_steps_and_errors():
+    tb = TreeBuilder(torch.tensor([0]), topk=2, total_tokens=10, depth=3)
+    with pytest.raises(ValueError):
+        tb.step(torch.zeros(1, 2, 5))  # wrong width
+    with pytest.raises(ValueError):
+        tb.step(torch.zeros(1, 1, 1))  # vocab < topk
+    fr = tb.step(torch.log_softmax(torch.randn(1, 1, 6), -1))
+    tree = tb.finalize()  # finalize after fewer than `depth` steps
+    check_tree(tree)
+    assert tree.num_nodes.tolist() == [3]
+    assert fr.rows.tolist() == [1, 2]
+
+
+def test_nan_and_positive_logprobs_are_sanitised():
+    lp = torch.tensor([[[float("nan"), 1e-6, -1.0, -2.0, -3.0]]])
+    tb = TreeBuilder(torch.tensor([0]), topk=3, total_tokens=4, depth=1)
+    tb.step(lp)
+    tree = tb.finalize()
+    check_tree(tree)
+    assert tree.scores[0].tolist() == [0.0, 0.0, -1.0, NEG_INF]
+    assert tree.tokens[0].tolist() == [0, 1, 2, 0]
