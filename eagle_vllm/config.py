@@ -182,9 +182,7 @@ def parse_speculative_config(
             f"remove it; the allowed keys are {sorted(_ALLOWED_KEYS)}",
         )
     for key, types in _ALLOWED_KEYS.items():
-        if key in data and (
-            not isinstance(data[key], types) or isinstance(data[key], bool)
-        ):
+        if key in data and (not isinstance(data[key], types) or isinstance(data[key], bool)):
             raise _fail(
                 key,
                 f"expected {' or '.join(t.__name__ for t in types)}, "
@@ -199,7 +197,7 @@ def parse_speculative_config(
         raise _fail(
             "method",
             f"unknown method '{method}'",
-            f"use 'eagle' (chain) or 'eagle2' (dynamic tree); vLLM's built-in "
+            "use 'eagle' (chain) or 'eagle2' (dynamic tree); vLLM's built-in "
             "methods are passed to vLLM directly, not through eagle_vllm",
         )
     if data.get("model") is None:
@@ -319,8 +317,7 @@ def validate_against_target(
     if t_vocab is not None and info.vocab_size != t_vocab:
         raise _fail(
             "model",
-            f"draft vocab_size {info.vocab_size} does not match the target's "
-            f"{t_vocab} ({target})",
+            f"draft vocab_size {info.vocab_size} does not match the target's {t_vocab} ({target})",
             "use a draft trained for this target's tokenizer",
         )
     if max_model_len is not None and cfg.num_draft_slots + 1 >= max_model_len:

@@ -7,7 +7,7 @@ from typing import Any
 
 import vllm
 
-from eagle_vllm.config import parse_speculative_config, validate_against_target
+from eagle_vllm.config import METHODS, parse_speculative_config, validate_against_target
 from eagle_vllm.integration import resolve
 
 
@@ -17,8 +17,9 @@ class LLM(vllm.LLM):
     Extra arguments:
         speculative_model: an EAGLE draft folder; alone it means ``method: eagle``.
         speculative_config: a dict or the path of a YAML/JSON file with the
-            keys documented in the README (``method``, ``model``, ...). Plain
-            vLLM configs (e.g. ``{"method": "ngram", ...}``) pass through.
+            keys documented in the README (``method``, ``model``, ...). Method
+            ``eagle``/``eagle2`` is the plugin's; other vLLM methods (e.g.
+            ``{"method": "ngram", ...}``) pass through to vLLM unchanged.
     Everything else goes to ``vllm.LLM`` unchanged.
     """
 
@@ -36,6 +37,12 @@ class LLM(vllm.LLM):
                 target=model,
                 speculative_model=os.fspath(speculative_model),
             )
+            validate_against_target(cfg, model, kwargs.get("max_model_len"))
+            resolved = cfg.engine_kwargs()
+        elif isinstance(speculative_config, dict) and speculative_config.get("method") in METHODS:
+            # Through eagle_vllm.LLM, method eagle means the plugin's chain; vLLM's
+            # built-in EAGLE stays reachable through vllm.LLM.
+            cfg = parse_speculative_config(speculative_config, target=model)
             validate_against_target(cfg, model, kwargs.get("max_model_len"))
             resolved = cfg.engine_kwargs()
         else:

@@ -64,7 +64,11 @@ def _llama_config(vocab_size: int, layers: int):
     )
 
 
-def build_target(path: Path, *, oracle: bool = False, layers: int = 2, seed: int = 0) -> Path:
+def build_target(
+    path: Path, *, oracle: bool = False, context: float = 0.0, layers: int = 2, seed: int = 0
+) -> Path:
+    """``oracle``: o_proj/down_proj scaled by ``context`` (0 = next token depends
+    only on the current token; small values add a little context dependence)."""
     from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -78,7 +82,7 @@ def build_target(path: Path, *, oracle: bool = False, layers: int = 2, seed: int
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)
             if oracle:
-                layer.self_attn.o_proj.weight.zero_()
+                layer.self_attn.o_proj.weight.mul_(context)
                 layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
         if oracle:
@@ -93,6 +97,7 @@ def build_draft(
     *,
     kind: str = "random",
     noise: float = 0.0,
+    attn_noise: float = 0.0,
     fc_bias: float | None = None,
     with_embed: bool = False,
     bin_format: bool = False,
@@ -127,7 +132,8 @@ def build_draft(
         weights["layers.0.mlp.down_proj.weight"].zero_()
         if noise:
             weights["fc.weight"] += rnd(h, 2 * h, std=noise)
-            weights["layers.0.self_attn.o_proj.weight"] += rnd(h, h, std=noise)
+        if attn_noise:  # makes the draft's attention (prefix + ancestors) matter
+            weights["layers.0.self_attn.o_proj.weight"] += rnd(h, h, std=attn_noise)
     elif kind != "random":
         raise ValueError(kind)
     if fc_bias is not None:

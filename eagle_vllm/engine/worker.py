@@ -40,8 +40,7 @@ def _gpu_worker_cls():
         def _make_model_runner(self):
             if self.use_v2_model_runner:
                 raise RuntimeError(
-                    "eagle_vllm needs vLLM's V1 model runner. Fix: set "
-                    "VLLM_USE_V2_MODEL_RUNNER=0."
+                    "eagle_vllm needs vLLM's V1 model runner. Fix: set VLLM_USE_V2_MODEL_RUNNER=0."
                 )
             return EagleGPUModelRunner(self.vllm_config, self.device)
 

@@ -100,7 +100,7 @@ def inspect_draft_checkpoint(path: str) -> DraftInfo:
     if declared is True and not fc_bias:
         raise DraftCheckpointError(
             f"draft config '{folder / 'config.json'}' says \"bias\": true but the "
-            "weights have no fc.bias. Fix: set \"bias\": false or restore fc.bias."
+            'weights have no fc.bias. Fix: set "bias": false or restore fc.bias.'
         )
     embed = shapes.get("embed_tokens.weight")
     if embed is not None and embed != (vocab, hidden):

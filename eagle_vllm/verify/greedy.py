@@ -55,9 +55,7 @@ def _check_tree_inputs(
     if N < 1:
         raise ValueError("trees need at least the root node (N >= 1)")
     if parents.shape != tokens.shape:
-        raise ValueError(
-            f"parents {tuple(parents.shape)} must match tokens {tuple(tokens.shape)}"
-        )
+        raise ValueError(f"parents {tuple(parents.shape)} must match tokens {tuple(tokens.shape)}")
     if num_nodes.shape != (B,):
         raise ValueError(f"num_nodes must be [B]={B}, got {tuple(num_nodes.shape)}")
     for t, name in ((tokens, "tokens"), (parents, "parents"), (num_nodes, "num_nodes")):
@@ -83,7 +81,9 @@ def _draft_mask(num_nodes: Tensor, N: int) -> Tensor:
 def _masked_parents(parents: Tensor, num_nodes: Tensor) -> Tensor:
     """Parents with padding replaced by ``-2`` (never equal to a node index)."""
     valid = _draft_mask(num_nodes, parents.shape[1])
-    return torch.where(valid, parents.to(torch.long), torch.full_like(parents, -2, dtype=torch.long))
+    return torch.where(
+        valid, parents.to(torch.long), torch.full_like(parents, -2, dtype=torch.long)
+    )
 
 
 class _PathRecorder:

@@ -92,15 +92,15 @@ def draw_uniforms(
 def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF draw: token ``[B]`` from non-negative (unnormalised) rows ``[B, V]``
     with the given ``[B]`` uniforms in ``[0, 1)``.  Computed in float64; a token of
-    probability 0 is never returned unless the whole row is 0 (then V-1, undefined)."""
+    probability 0 is never returned unless the whole row is 0 (then 0: undefined)."""
     p = probs.to(torch.float64).clamp_min(0.0)
     cdf = p.cumsum(dim=-1)
-    x = u.to(torch.float64).unsqueeze(1) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, x, right=True).squeeze(1)
-    # rounding of u * total can reach the total: clamp to the last positive token
-    V = p.shape[-1]
-    last_pos = (V - 1) - (p > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
-    return torch.minimum(tok, last_pos)
+    total = cdf[:, -1:].contiguous()
+    tok = torch.searchsorted(cdf, u.to(torch.float64).unsqueeze(1) * total, right=True)
+    # u * total can round up to the total: clamp to the last token of positive mass,
+    # which is the first index whose cdf reaches the total
+    last_pos = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(tok, last_pos).squeeze(1)
 
 
 def _compute_dtype(*ts: Tensor) -> torch.dtype:
@@ -244,9 +244,9 @@ def sampled_tree_verify(
             mass = q_masked.sum(dim=-1, keepdim=True)
             q_i = torch.where(mass > 0, q_masked / mass.clamp_min(torch.finfo(dt).tiny), zero)
             skip = tried.gather(1, x.unsqueeze(1)).squeeze(1) | (mass.squeeze(1) <= 0)
-        px = p_cur.gather(1, x.unsqueeze(1)).squeeze(1)
-        qx = q_i.gather(1, x.unsqueeze(1)).squeeze(1)
-        coin = u.gather(1, c.unsqueeze(1)).squeeze(1).to(dt)
+        px = p_cur.gather(1, x.unsqueeze(1)).squeeze(1).double()
+        qx = q_i.gather(1, x.unsqueeze(1)).squeeze(1).double()
+        coin = u.gather(1, c.unsqueeze(1)).squeeze(1)  # float64
         # P(coin * q < p) = min(1, p / q) for q > 0; for q == 0 it is [p > 0]
         ok = coin * qx < px
         acc = active & ~skip & ok
@@ -309,7 +309,7 @@ def sampled_chain_verify(
         qs = q_par.sum(dim=-1, dtype=dt)
         px = torch.where(ps > 0, px / ps.clamp_min(torch.finfo(dt).tiny), 0.0)
         qx = torch.where(qs > 0, qx / qs.clamp_min(torch.finfo(dt).tiny), 0.0)
-        ok = (u[:, 1:].to(dt) * qx < px) & valid[:, 1:]
+        ok = (u[:, 1:] * qx.double() < px.double()) & valid[:, 1:]
         num_acc = ok.to(torch.long).cumprod(dim=1).sum(dim=1)
     else:
         num_acc = torch.zeros(B, dtype=torch.long, device=device)

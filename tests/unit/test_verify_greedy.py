@@ -77,9 +77,7 @@ def check_against_brute_force(tokens, parents, num_nodes, logits):
     assert isinstance(res, VerifyResult)
     B, N = tokens.shape
     trees = [
-        brute_force(
-            tokens[b].tolist(), parents[b].tolist(), int(num_nodes[b]), logits[b].tolist()
-        )
+        brute_force(tokens[b].tolist(), parents[b].tolist(), int(num_nodes[b]), logits[b].tolist())
         for b in range(B)
     ]
     acc, num, out = expected_result(trees, N)
@@ -181,8 +179,10 @@ def test_random_trees_match_brute_force(garbage):
     gen = torch.Generator().manual_seed(2)
     rng = random.Random(2)
     V, N = 3, 12  # tiny vocab: many matches and duplicate siblings
-    trees = [random_tree(rng, rng.randint(1, N), V, max_children=rng.choice([1, 2, 3, None]))
-             for _ in range(300)]
+    trees = [
+        random_tree(rng, rng.randint(1, N), V, max_children=rng.choice([1, 2, 3, None]))
+        for _ in range(300)
+    ]
     tokens, parents, num_nodes, logits = pad_batch(trees, N, V, gen, garbage)
     res = check_against_brute_force(tokens, parents, num_nodes, logits)
     assert res.num_accepted.max() >= 3
@@ -204,8 +204,9 @@ def test_padding_ignored_and_batch_independent():
     assert res_b.accepted_nodes[:, :5].tolist() == res_a.accepted_nodes.tolist()
     # each row alone gives the same answer as in the batch
     for b in range(0, 20, 7):
-        single = greedy_verify(tokens[b : b + 1], parents[b : b + 1], num_nodes[b : b + 1],
-                               logits[b : b + 1])
+        single = greedy_verify(
+            tokens[b : b + 1], parents[b : b + 1], num_nodes[b : b + 1], logits[b : b + 1]
+        )
         assert single.output_tokens.tolist() == res_b.output_tokens[b : b + 1].tolist()
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from eagle_vllm.cli import main
+
+sys.exit(main())
