@@ -112,6 +112,17 @@ class EagleTreeProposer(EagleProposer):
                 f"target's {target_hidden}. Fix: use a draft trained for this target."
             )
 
+    def drafted_trees(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """req_id -> (tokens, parents, depths) of the trees handed out by the last propose."""
+        last = self.last_drafts
+        if last is None:
+            return {}
+        tree = last.tree
+        return {
+            req_id: (tree.tokens[i], tree.parents[i], tree.depths[i])
+            for i, req_id in enumerate(last.req_ids)
+        }
+
     def _draft_layers(self) -> list[nn.Module]:
         return list(self.model.model.layers)
 

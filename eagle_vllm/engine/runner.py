@@ -5,18 +5,33 @@ Written against vLLM 0.32 (``vllm/v1/worker/gpu_model_runner.py`` and
 ``__init__`` for ``method="eagle"``:
 
 * ``self.drafter``: ``EagleTreeProposer`` (plugin draft model, chain/tree drafting);
-* ``self.rejection_sampler``: ``ExactRejectionSampler`` (exact verification).
+* ``self.rejection_sampler``: ``ExactRejectionSampler`` (exact verification);
 
-Everything else (scheduling, KV allocation, bookkeeping, metrics) stays vLLM's.
+and, when trees are drafted (``topk > 1``), wraps five runner methods:
+
+* ``_prepare_inputs``: tree nodes get positions ``root + depth`` (their KV
+  slots stay linear, which is what KV compaction needs);
+* ``_model_forward``: the target forward runs with tree masks
+  (``attention/cpu_backend.py``), capturing the tree rows' K/V;
+* ``_sample``: after verification, the accepted path's K/V move to the slots
+  of positions ``root+1 .. root+n`` in every target layer (KV compaction), so
+  vLLM's scheduler sees an accepted chain;
+* ``propose_draft_token_ids``: the drafter's first pass sees the accepted path
+  as a chain (rows reordered, positions linear again).
+
+Scheduling, batching, KV allocation, bookkeeping and metrics stay vLLM's.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from eagle_vllm.attention.cpu_backend import verifying_trees
+from eagle_vllm.attention.tree_batch import TreeBatch
 from eagle_vllm.config import ADDITIONAL_CONFIG_KEY, EagleSpecConfig
 from eagle_vllm.engine.proposer import EagleTreeProposer
 from eagle_vllm.engine.sampler import ExactRejectionSampler
@@ -29,17 +44,158 @@ def eagle_config_of(vllm_config) -> EagleSpecConfig | None:
 
 
 class EagleRunnerMixin:
-    """Installs the plugin's drafter and verifier after the stock runner is built."""
+    """Installs the plugin's drafter and verifier; handles tree-shaped verification."""
+
+    tree_batch: TreeBatch | None = None
 
     def _install_eagle(self, device_context) -> None:
         self.eagle_config = eagle_config_of(self.vllm_config)
+        self.tree_batch = None
         if self.eagle_config is None or self.speculative_config is None:
             return
         with device_context():
             self.drafter = EagleTreeProposer(self.vllm_config, self.device, self, self.eagle_config)
         self.rejection_sampler = ExactRejectionSampler(
-            self.sampler, self.speculative_config, self.device
+            self.sampler, self.speculative_config, self.device, tree_source=self._tree_parents
         )
+
+    @property
+    def _uses_trees(self) -> bool:
+        return self.eagle_config is not None and self.eagle_config.topk > 1
+
+    # -- step 1: positions ---------------------------------------------------
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self.tree_batch = self._build_tree_batch(scheduler_output) if self._uses_trees else None
+        if self.tree_batch is not None:
+            tb = self.tree_batch
+            valid = tb.valid()
+            self.positions[tb.flat_rows()[valid]] = tb.tree_positions()[valid]
+        return out
+
+    def _build_tree_batch(self, scheduler_output) -> TreeBatch | None:
+        drafted = self.drafter.drafted_trees()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        query_start = self.query_start_loc.cpu
+        rows, roots, parents, depths = [], [], [], []
+        for req_id, draft_ids in spec.items():
+            k = len(draft_ids)
+            tree = drafted.get(req_id)
+            if k == 0 or tree is None:
+                continue
+            tokens, tree_parents, tree_depths = tree
+            if tokens[1 : k + 1].tolist() != list(draft_ids):
+                continue  # not this step's drafts (e.g. zero drafts near max_model_len)
+            tree_parents = tree_parents[: k + 1]
+            if bool((tree_parents[1:] == torch.arange(k)).all()):
+                continue  # a chain: causal attention and no compaction needed
+            row = self.input_batch.req_id_to_index[req_id]
+            rows.append(row)
+            roots.append(int(query_start[row + 1]) - k - 1)
+            parents.append(tree_parents)
+            depths.append(tree_depths[: k + 1])
+        if not rows:
+            return None
+        width = max(p.shape[0] for p in parents)
+
+        def pad(xs, fill):
+            return torch.stack(
+                [torch.nn.functional.pad(x, (0, width - x.shape[0]), value=fill) for x in xs]
+            )
+
+        batch_rows = torch.tensor(rows, dtype=torch.int64)
+        root_index = torch.tensor(roots, dtype=torch.int64)
+        block_table = self.input_batch.block_table[0].block_table.cpu[batch_rows]
+        return TreeBatch(
+            batch_rows=batch_rows,
+            root_index=root_index,
+            root_pos=self.positions[root_index].to("cpu", torch.int64),
+            num_nodes=torch.tensor([p.shape[0] for p in parents], dtype=torch.int64),
+            parents=pad(parents, -1),
+            depths=pad(depths, 0),
+            block_table=block_table,
+        )
+
+    # -- step 2: target forward with tree masks ----------------------------
+    def _model_forward(self, *args, **kwargs):
+        if self.tree_batch is None:
+            return super()._model_forward(*args, **kwargs)
+        with verifying_trees(self.tree_batch):
+            return super()._model_forward(*args, **kwargs)
+
+    # -- step 3: verification parents, then KV compaction --------------------
+    def _tree_parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor | None:
+        tb = self.tree_batch
+        if tb is None:
+            return None
+        parents = ExactRejectionSampler._chain_parents(num_nodes, width)
+        n = min(width, tb.width)
+        tree_parents = tb.parents[:, :n].clone()
+        tree_parents[tree_parents >= num_nodes[tb.batch_rows][:, None]] = -1
+        parents[tb.batch_rows, :n] = tree_parents
+        parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
+        return parents
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = super()._sample(logits, spec_decode_metadata)
+        if self.tree_batch is not None and spec_decode_metadata is not None:
+            self._compact_kv(self.rejection_sampler.last_accepted_nodes)
+        return out
+
+    def _compact_kv(self, accepted_nodes: torch.Tensor) -> None:
+        """Move accepted node i's K/V to the slot of position root+i, in every target layer."""
+        tb = self.tree_batch
+        path = accepted_nodes[tb.batch_rows]  # [R, D]
+        depth_index = torch.arange(1, path.shape[1] + 1)[None, :].expand_as(path)
+        moved = (path >= 0) & (path != depth_index)
+        if not bool(moved.any()):
+            return
+        r, i = moved.nonzero(as_tuple=True)
+        src_node = path[r, i]
+        dst_row = tb.root_index[r] + i + 1
+        slots = self.input_batch.block_table[0].slot_mapping.cpu[dst_row].to(torch.int64)
+        ctx = self.compilation_config.static_forward_context
+        for layer_name, (node_k, node_v) in tb.captured_kv.items():
+            layer = ctx[layer_name]
+            kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+            layer.impl.do_kv_cache_update(
+                layer, node_k[r, src_node], node_v[r, src_node], kv_cache, slots
+            )
+
+    # -- step 4: drafting from the accepted path -----------------------------
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, *args, **kwargs):  # fmt: skip
+        tb = self.tree_batch
+        if tb is not None:
+            hidden_states = self._accepted_path_as_chain(tb, hidden_states)
+        return super().propose_draft_token_ids(
+            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs
+        )
+
+    def _accepted_path_as_chain(self, tb: TreeBatch, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Reorder each tree's rows to [root, accepted path..., the rest] and make positions
+        linear, so the drafter's first pass sees the accepted tokens as a chain whose
+        features are the target's features of exactly those nodes."""
+        path = self.rejection_sampler.last_accepted_nodes[tb.batch_rows]  # [R, D]
+        width = tb.width
+        order = torch.arange(width)[None, :].repeat(tb.parents.shape[0], 1)
+        for r in range(order.shape[0]):
+            accepted = path[r][path[r] >= 0]
+            rest = [j for j in range(1, int(tb.num_nodes[r])) if j not in set(accepted.tolist())]
+            new = [0, *accepted.tolist(), *rest]
+            order[r, : len(new)] = torch.tensor(new)
+        valid = tb.valid()
+        src = (tb.root_index[:, None] + order)[valid]
+        dst = tb.flat_rows()[valid]
+        num_tokens = int(dst.max()) + 1
+        perm = torch.arange(max(num_tokens, hidden_states.shape[0]))
+        perm[dst] = src
+        hidden_states = hidden_states[perm[: hidden_states.shape[0]]]
+        input_ids = self.input_ids.gpu
+        input_ids[dst] = input_ids[src].clone()
+        offsets = torch.arange(width)[None, :].expand_as(order)
+        self.positions[dst] = (tb.root_pos[:, None] + offsets)[valid]
+        return hidden_states
 
 
 class EagleCPUModelRunner(EagleRunnerMixin, CPUModelRunner):

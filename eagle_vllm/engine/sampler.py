@@ -33,8 +33,12 @@ class ExactRejectionSampler(RejectionSampler):
 
     def __init__(self, sampler, spec_config=None, device=None, tree_source=None):
         super().__init__(sampler, spec_config, device)
-        # Callable(req_ids) -> parents [B, N] or None (chain). Set by the runner.
+        # Callable(num_nodes [B], width) -> parents [B, width], or None for chains.
+        # Set by the runner when trees are verified.
         self.tree_source = tree_source
+        # [B, max_drafts] node indices of each request's accepted path (-1 padded),
+        # for KV compaction.
+        self.last_accepted_nodes: torch.Tensor | None = None
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         bonus_out = self.sampler(
@@ -93,6 +97,11 @@ class ExactRejectionSampler(RejectionSampler):
         tokens[:, 1:][valid[:, :max_drafts]] = draft_ids
         tokens[:, 0] = 0
         parents = self._parents(num_nodes, max_drafts + 1)
+        if not sampling_metadata.no_penalties or sampling_metadata.bad_words_token_ids:
+            # vLLM conditions penalties/bad words on the drafts as a chain; only
+            # the root's row is right for a tree, so tree requests verify no drafts.
+            is_tree = (parents != self._chain_parents(num_nodes, max_drafts + 1)).any(dim=1)
+            num_nodes = torch.where(is_tree, 1, num_nodes)
 
         is_greedy = sampling_metadata.temperature is None or sampling_metadata.all_greedy
         if is_greedy:
@@ -109,6 +118,7 @@ class ExactRejectionSampler(RejectionSampler):
         leaf = num_drafts
         bonus = bonus_tokens.to("cpu", torch.int64)
 
+        accepted = torch.full((batch, max_drafts), -1, dtype=torch.int64)
         if greedy_rows.any():
             idx = greedy_rows.nonzero().view(-1)
             g_scores = scores[idx].clone()
@@ -116,6 +126,7 @@ class ExactRejectionSampler(RejectionSampler):
             g_scores[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 0.0
             res = greedy_verify(tokens[idx], parents[idx], num_nodes[idx], g_scores)
             output[idx] = res.output_tokens
+            accepted[idx] = res.accepted_nodes
         if (~greedy_rows).any():
             idx = (~greedy_rows).nonzero().view(-1)
             probs = torch.softmax(scores[idx], dim=-1)
@@ -127,6 +138,8 @@ class ExactRejectionSampler(RejectionSampler):
                 tokens[idx], parents[idx], num_nodes[idx], probs, generators=generators
             )
             output[idx] = res.output_tokens
+            accepted[idx] = res.accepted_nodes
+        self.last_accepted_nodes = accepted
         return output.to(device)
 
     def _parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
@@ -134,6 +147,10 @@ class ExactRejectionSampler(RejectionSampler):
             parents = self.tree_source(num_nodes, width)
             if parents is not None:
                 return parents
+        return self._chain_parents(num_nodes, width)
+
+    @staticmethod
+    def _chain_parents(num_nodes: torch.Tensor, width: int) -> torch.Tensor:
         parents = torch.arange(width, dtype=torch.int64)[None, :].repeat(num_nodes.shape[0], 1) - 1
         parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
         return parents

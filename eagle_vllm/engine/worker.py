@@ -21,6 +21,9 @@ def _cpu_worker_cls():
 
     class EagleCPUWorker(cpu_worker.CPUWorker):
         def init_device(self):
+            from eagle_vllm.attention import cpu_backend
+
+            cpu_backend.install()  # tree masks for the target's verification forward
             original = cpu_worker.CPUModelRunner
             cpu_worker.CPUModelRunner = EagleCPUModelRunner
             try:

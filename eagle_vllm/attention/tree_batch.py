@@ -1,0 +1,63 @@
+"""Per-step description of the draft trees being verified (pure torch).
+
+Built by the runner for each step; read by the tree attention (masks), the
+verifier (parents) and the KV compaction (which rows moved where).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TreeBatch:
+    """The tree-shaped requests of one verification step.
+
+    Each tree request r occupies flat query rows ``root_index[r] + j`` for its
+    nodes ``j < num_nodes[r]`` (node 0 = root = the last accepted token, nodes
+    in topological order), sits in batch row ``batch_rows[r]``, and its root
+    is at sequence position ``root_pos[r]`` (so its prefix is positions
+    ``< root_pos[r]``).
+    """
+
+    batch_rows: torch.Tensor  # [R] int64
+    root_index: torch.Tensor  # [R] int64 flat token index of the root
+    root_pos: torch.Tensor  # [R] int64
+    num_nodes: torch.Tensor  # [R] int64, root included
+    parents: torch.Tensor  # [R, N] int64, -1 for root/padding
+    depths: torch.Tensor  # [R, N] int64, 0 for root/padding
+    block_table: torch.Tensor  # [R, max_blocks] int32, this step's block-table rows
+    # filled during the target forward: layer name -> (K, V) of the tree rows [R, N, Hkv, D]
+    captured_kv: dict = field(default_factory=dict)
+
+    @property
+    def width(self) -> int:
+        return self.parents.shape[1]
+
+    def valid(self) -> torch.Tensor:
+        return torch.arange(self.width)[None, :] < self.num_nodes[:, None]
+
+    def flat_rows(self) -> torch.Tensor:
+        """[R, N] flat query rows of the nodes (padding rows clamp to the root)."""
+        offsets = torch.arange(self.width)[None, :]
+        return self.root_index[:, None] + torch.where(self.valid(), offsets, 0)
+
+    def tree_positions(self) -> torch.Tensor:
+        return self.root_pos[:, None] + self.depths
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[R, N, N] True where node i may attend to node j (j is i or an ancestor)."""
+        r, n = self.parents.shape
+        mask = torch.eye(n, dtype=torch.bool).repeat(r, 1, 1)
+        cur = self.parents.clone()
+        rows = torch.arange(n)[None, :].expand(r, n)
+        for _ in range(n):
+            has = cur >= 0
+            if not bool(has.any()):
+                break
+            b, i = has.nonzero(as_tuple=True)
+            mask[b, rows[b, i], cur[b, i]] = True
+            cur = torch.where(has, self.parents.gather(1, cur.clamp(min=0)), cur)
+        return mask & self.valid()[:, :, None] & self.valid()[:, None, :]
