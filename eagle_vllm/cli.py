@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--target", default=None, help="target model folder to check against")
     args = parser.parse_args(argv)
     if args.command == "check-config":
-        return _check_config(args)
+        try:
+            return _check_config(args)
+        except ValueError as exc:  # EagleConfigError and friends: one clear line
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -241,11 +241,15 @@ def parse_speculative_config(
             )
         total = depth + 1
     else:
-        total = values["total_tokens"]
-        if total < 2:
-            raise _fail("total_tokens", f"{total} is below 2", "use 2 or more (root + 1 draft)")
         # Candidates the expansion can produce: topk at depth 1, topk*topk below.
         max_nodes = 1 + topk + (depth - 1) * topk * topk
+        total = (
+            values["total_tokens"]
+            if "total_tokens" in data
+            else min(values["total_tokens"], max_nodes)
+        )
+        if total < 2:
+            raise _fail("total_tokens", f"{total} is below 2", "use 2 or more (root + 1 draft)")
         if total > max_nodes:
             raise _fail(
                 "total_tokens",

@@ -17,11 +17,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_vllm.config import EagleConfigError
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class DraftCheckpointError(ValueError):
-    pass
+class DraftCheckpointError(EagleConfigError):
+    """A draft folder whose files cannot be an EAGLE-1 head (raised before any worker starts)."""
 
 
 @dataclass(frozen=True)

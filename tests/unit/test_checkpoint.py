@@ -1,0 +1,246 @@
+"""``inspect_draft_checkpoint`` on SafeAILab-layout drafts built by ``tests/tiny_models``.
+
+The function is ``lru_cache``d by path, so every case writes its own folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import HIDDEN, SPECIALS, VOCAB_WORDS, build_draft, build_target
+
+from eagle_vllm.models.checkpoint import (
+    DraftCheckpointError,
+    DraftInfo,
+    inspect_draft_checkpoint,
+)
+
+torch.set_num_threads(1)
+
+VOCAB = VOCAB_WORDS + len(SPECIALS)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return build_target(tmp_path_factory.mktemp("ckpt_target") / "target", layers=1)
+
+
+def inspect(path: Path) -> DraftInfo:
+    return inspect_draft_checkpoint(str(path))
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    return torch.load(path / "pytorch_model.bin", weights_only=True)
+
+
+def rewrite(path: Path, weights: dict[str, torch.Tensor] | None = None, **cfg_changes) -> None:
+    """Replace the weights (same format as before) and/or edit config.json."""
+    if weights is not None:
+        weights = {k: v.contiguous() for k, v in weights.items()}
+        if (path / "model.safetensors").is_file():
+            save_file(weights, str(path / "model.safetensors"))
+        else:
+            torch.save(weights, path / "pytorch_model.bin")
+    if cfg_changes:
+        cfg = json.loads((path / "config.json").read_text())
+        for k, v in cfg_changes.items():
+            if v is None:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+def check_error(path: Path, *fragments: str) -> str:
+    with pytest.raises(DraftCheckpointError) as exc:
+        inspect(path)
+    msg = str(exc.value)
+    assert "Fix:" in msg, msg
+    for f in fragments:
+        assert f in msg, msg
+    return msg
+
+
+# --------------------------------------------------------------------------
+# valid checkpoints
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
+@pytest.mark.parametrize("fc_bias", [None, 0.1], ids=["nobias", "bias"])
+@pytest.mark.parametrize("with_embed", [False, True], ids=["noembed", "embed"])
+def test_variants(tmp_path, target, bin_format, fc_bias, with_embed):
+    draft = build_draft(
+        tmp_path / "draft",
+        target,
+        kind="oracle",
+        fc_bias=fc_bias,
+        with_embed=with_embed,
+        bin_format=bin_format,
+    )
+    info = inspect(draft)
+    weights_name = "pytorch_model.bin" if bin_format else "model.safetensors"
+    assert info == DraftInfo(
+        path=str(draft),
+        weights_file=str(draft / weights_name),
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        num_layers=1,
+        fc_bias=fc_bias is not None,
+        has_embed_tokens=with_embed,
+        has_draft_vocab_map=False,
+    )
+
+
+@pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
+def test_model_prefixed_keys(tmp_path, target, bin_format):
+    draft = build_draft(
+        tmp_path / "draft", target, fc_bias=0.1, with_embed=True, bin_format=bin_format
+    )
+    plain = inspect(draft)
+    prefixed = tmp_path / "prefixed"
+    shutil.copytree(draft, prefixed)
+    rewrite(prefixed, {f"model.{k}": v for k, v in load_weights(draft).items()})
+    assert "model.fc.weight" in load_weights(prefixed)
+    info = inspect(prefixed)
+    assert info.fc_bias and info.has_embed_tokens
+    assert (info.hidden_size, info.vocab_size, info.num_layers) == (
+        plain.hidden_size,
+        plain.vocab_size,
+        plain.num_layers,
+    )
+
+
+def test_bias_false_in_config_but_fc_bias_in_weights(tmp_path, target):
+    """The weights decide: SafeAILab's ``bias`` key is about fc only."""
+    draft = build_draft(tmp_path / "draft", target, fc_bias=0.1)
+    rewrite(draft, bias=False)
+    assert inspect(draft).fc_bias
+
+
+def test_no_bias_key_in_config(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, bias=None)
+    assert not inspect(draft).fc_bias
+
+
+def test_safetensors_preferred_over_bin(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    torch.save({"garbage": torch.zeros(1)}, draft / "pytorch_model.bin")
+    assert inspect(draft).weights_file == str(draft / "model.safetensors")
+
+
+def test_draft_vocab_map(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    w = load_weights(draft)
+    w["d2t"] = torch.zeros(VOCAB, dtype=torch.long)
+    rewrite(draft, w)
+    assert inspect(draft).has_draft_vocab_map
+
+
+def test_num_layers_from_weights_when_config_lacks_it(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, num_hidden_layers=None)
+    assert inspect(draft).num_layers == 1
+
+
+def test_cached_by_path(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    assert inspect(draft) is inspect(draft)
+
+
+# --------------------------------------------------------------------------
+# broken checkpoints
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
+def test_no_weights(tmp_path, target, bin_format):
+    draft = build_draft(tmp_path / "draft", target, bin_format=bin_format)
+    (draft / ("pytorch_model.bin" if bin_format else "model.safetensors")).unlink()
+    check_error(draft, "has no weights", "model.safetensors", "pytorch_model.bin")
+
+
+def test_missing_config(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    (draft / "config.json").unlink()
+    check_error(draft, "config.json")
+
+
+def test_invalid_config_json(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    (draft / "config.json").write_text("{not json")
+    check_error(draft, "config.json")
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size"])
+def test_config_lacks_sizes(tmp_path, target, key):
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, **{key: None})
+    check_error(draft, "hidden_size/vocab_size")
+
+
+def test_no_fc_weight(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    w = load_weights(draft)
+    del w["fc.weight"]
+    rewrite(draft, w)
+    check_error(draft, "no fc.weight")
+
+
+@pytest.mark.parametrize(
+    "shape", [(HIDDEN, HIDDEN), (2 * HIDDEN, HIDDEN), (HIDDEN, 3 * HIDDEN), (128, 256)]
+)
+@pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
+def test_wrong_fc_shape(tmp_path, target, shape, bin_format):
+    draft = build_draft(tmp_path / "draft", target, bin_format=bin_format)
+    w = load_weights(draft)
+    w["fc.weight"] = torch.zeros(shape)
+    rewrite(draft, w)
+    check_error(draft, f"shape {list(shape)}", f"[{HIDDEN}, {2 * HIDDEN}]")
+
+
+def test_config_hidden_size_disagrees_with_weights(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, hidden_size=128)
+    check_error(draft, "fc.weight", "[128, 256]")
+
+
+@pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
+def test_bias_true_without_fc_bias(tmp_path, target, bin_format):
+    draft = build_draft(tmp_path / "draft", target, bin_format=bin_format)
+    rewrite(draft, bias=True)
+    check_error(draft, '"bias": true', "fc.bias")
+
+
+@pytest.mark.parametrize("shape", [(VOCAB + 1, HIDDEN), (VOCAB, HIDDEN // 2), (HIDDEN, VOCAB)])
+def test_embed_shape_mismatch(tmp_path, target, shape):
+    draft = build_draft(tmp_path / "draft", target, with_embed=True)
+    w = load_weights(draft)
+    w["embed_tokens.weight"] = torch.zeros(shape)
+    rewrite(draft, w)
+    check_error(draft, "embed_tokens.weight", f"{list(shape)}", f"[{VOCAB}, {HIDDEN}]")
+
+
+def test_embed_mismatch_from_config_vocab(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target, with_embed=True)
+    rewrite(draft, vocab_size=VOCAB + 10)
+    check_error(draft, "embed_tokens.weight", f"[{VOCAB + 10}, {HIDDEN}]")
+
+
+def test_layers_disagree_with_config(tmp_path, target):
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, num_hidden_layers=2)
+    check_error(draft, "layers [0]", "num_hidden_layers=2")
+
+
+def test_errors_are_not_cached(tmp_path, target):
+    """A fixed checkpoint is re-read, not answered from the cache."""
+    draft = build_draft(tmp_path / "draft", target)
+    rewrite(draft, bias=True)
+    check_error(draft, "fc.bias")
+    rewrite(draft, bias=False)
+    assert not inspect(draft).fc_bias

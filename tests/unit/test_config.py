@@ -1,0 +1,563 @@
+"""Validation of the speculative config (``eagle_vllm.config``) and its front-end helpers.
+
+Every error must name the offending key (or file) and say how to fix it. No
+vLLM engine is started; only ``config.json`` files and tiny weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tiny_models
+import torch
+from tiny_models import build_draft, build_target
+
+from eagle_vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DEFAULTS,
+    MAX_DRAFT_SLOTS,
+    WORKER_CLS,
+    EagleConfigError,
+    EagleSpecConfig,
+    is_eagle_vllm_request,
+    parse_speculative_config,
+    read_config_file,
+    validate_against_target,
+)
+from eagle_vllm.integration import (
+    apply_to_engine_args,
+    resolve,
+    speculative_config_arg,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cfg_models")
+    target = build_target(root / "target", layers=1)
+    # a stand-in "target" of another vocabulary (only config.json is read)
+    other_vocab = root / "target_vocab300"
+    other_vocab.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["vocab_size"] = 300
+    (other_vocab / "config.json").write_text(json.dumps(cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_models, "HIDDEN", 128)
+        draft_h128 = build_draft(root / "draft_h128", target)
+    return {
+        "target": target,
+        "draft": build_draft(root / "draft", target),
+        "draft_h128": draft_h128,
+        "draft_vocab300": build_draft(root / "draft_vocab300", other_vocab),
+    }
+
+
+def assert_fix(exc: pytest.ExceptionInfo, key: str) -> str:
+    msg = str(exc.value)
+    assert f"'{key}'" in msg, msg
+    assert "Fix:" in msg, msg
+    return msg
+
+
+def parse_err(config, key: str, **kw) -> str:
+    with pytest.raises(EagleConfigError) as exc:
+        parse_speculative_config(config, **kw)
+    return assert_fix(exc, key)
+
+
+# --------------------------------------------------------------------------
+# keys and types
+# --------------------------------------------------------------------------
+def test_unknown_key(models):
+    msg = parse_err({"method": "eagle", "model": str(models["draft"]), "depth": 3}, "depth")
+    assert "unknown key" in msg
+    assert "num_speculative_tokens" in msg  # lists the allowed keys
+
+
+def test_unknown_key_reported_before_other_problems():
+    parse_err({"methd": "eagle"}, "methd")
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("num_speculative_tokens", "3"),
+        ("num_speculative_tokens", 3.0),
+        ("num_speculative_tokens", True),
+        ("topk", False),
+        ("topk", [2]),
+        ("total_tokens", True),
+        ("method", 1),
+        ("method", True),
+        ("model", 5),
+        ("model", ["a"]),
+        ("draft_sample_method", None),
+    ],
+)
+def test_wrong_type(models, key, value):
+    cfg = {"method": "eagle2", "model": str(models["draft"]), key: value}
+    msg = parse_err(cfg, key)
+    assert "expected" in msg and type(value).__name__ in msg
+
+
+def test_path_object_is_accepted_for_model(models):
+    cfg = parse_speculative_config({"method": "eagle", "model": models["draft"]})
+    assert cfg.model == str(models["draft"])
+
+
+def test_missing_method(models):
+    msg = parse_err({"model": str(models["draft"])}, "method")
+    assert "missing" in msg and "eagle2" in msg
+
+
+def test_missing_model():
+    msg = parse_err({"method": "eagle"}, "model")
+    assert "missing" in msg
+
+
+@pytest.mark.parametrize("method", ["medusa", "ngram", "EAGLE", "eagle3"])
+def test_unknown_method(models, method):
+    msg = parse_err({"method": method, "model": str(models["draft"])}, "method")
+    assert method in msg
+
+
+def test_missing_draft_folder(tmp_path):
+    missing = tmp_path / "no_such_draft"
+    msg = parse_err({"method": "eagle", "model": str(missing)}, "model")
+    assert str(missing) in msg and "does not exist" in msg
+
+
+def test_draft_folder_without_config_json(tmp_path):
+    (tmp_path / "empty_draft").mkdir()
+    msg = parse_err({"method": "eagle", "model": str(tmp_path / "empty_draft")}, "model")
+    assert "config.json" in msg
+
+
+def test_draft_folder_without_weights(tmp_path, models):
+    bare = tmp_path / "bare_draft"
+    bare.mkdir()
+    shutil.copy(models["draft"] / "config.json", bare / "config.json")
+    with pytest.raises(ValueError, match="has no weights.*Fix:"):
+        parse_speculative_config({"method": "eagle", "model": str(bare)})
+
+
+# --------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------
+def test_relative_model_resolves_against_yaml_folder(tmp_path, models, monkeypatch):
+    shutil.copytree(models["draft"], tmp_path / "draft")
+    (tmp_path / "configs").mkdir()
+    spec = tmp_path / "configs" / "spec.yaml"
+    spec.write_text("method: eagle\nmodel: ../draft\nnum_speculative_tokens: 2\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the working directory must not matter
+    cfg = parse_speculative_config(str(spec))
+    assert Path(cfg.model) == (tmp_path / "draft").resolve()
+    assert cfg.source == str(spec)
+    assert cfg.num_speculative_tokens == 2
+    # a Path works too
+    assert parse_speculative_config(spec) == cfg
+    # from the config's own folder, `../draft` names nothing
+    monkeypatch.chdir(tmp_path / "configs")
+    (tmp_path / "configs" / "d.yaml").write_text("method: eagle\nmodel: draft\n")
+    msg = parse_err("d.yaml", "model")
+    assert str((tmp_path / "configs" / "draft").resolve()) in msg
+
+
+def test_relative_model_in_dict_resolves_against_cwd(tmp_path, models, monkeypatch):
+    shutil.copytree(models["draft"], tmp_path / "d")
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_speculative_config({"method": "eagle", "model": "d"})
+    assert Path(cfg.model) == (tmp_path / "d").resolve()
+    assert cfg.source is None
+
+
+def test_yaml_home_expansion(tmp_path, models, monkeypatch):
+    shutil.copytree(models["draft"], tmp_path / "d")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_speculative_config({"method": "eagle", "model": "~/d"})
+    assert Path(cfg.model) == (tmp_path / "d").resolve()
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: eagle\nmodel: [unclosed\n")
+    with pytest.raises(EagleConfigError) as exc:
+        parse_speculative_config(str(bad))
+    msg = str(exc.value)
+    assert str(bad) in msg and "not valid YAML" in msg and "Fix:" in msg
+
+
+@pytest.mark.parametrize(
+    "text,kind", [("- method: eagle\n- model: x\n", "list"), ("", "NoneType"), ("eagle\n", "str")]
+)
+def test_yaml_not_a_mapping(tmp_path, text, kind):
+    f = tmp_path / "list.yml"
+    f.write_text(text)
+    with pytest.raises(EagleConfigError) as exc:
+        parse_speculative_config(f)
+    msg = str(exc.value)
+    assert "mapping" in msg and kind in msg and "Fix:" in msg and str(f) in msg
+
+
+def test_json_file(tmp_path, models):
+    f = tmp_path / "spec.json"
+    f.write_text(json.dumps({"method": "eagle2", "model": str(models["draft"]), "topk": 3}))
+    cfg = parse_speculative_config(f)
+    assert (cfg.method, cfg.topk, cfg.total_tokens) == ("eagle2", 3, 16)
+    assert read_config_file(f)["topk"] == 3
+
+
+def test_malformed_json(tmp_path):
+    f = tmp_path / "spec.JSON"
+    f.write_text('{"method": "eagle",}')
+    with pytest.raises(EagleConfigError) as exc:
+        parse_speculative_config(f)
+    assert "not valid JSON" in str(exc.value) and "Fix:" in str(exc.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(EagleConfigError, match="does not exist.*Fix:"):
+        parse_speculative_config(str(tmp_path / "nope.yaml"))
+
+
+def test_not_dict_or_path():
+    with pytest.raises(EagleConfigError, match="Fix:"):
+        parse_speculative_config(42)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# values
+# --------------------------------------------------------------------------
+def test_num_speculative_tokens_zero(models):
+    for method in ("eagle", "eagle2"):
+        msg = parse_err(
+            {"method": method, "model": str(models["draft"]), "num_speculative_tokens": 0},
+            "num_speculative_tokens",
+        )
+        assert "below 1" in msg
+
+
+def test_topk_zero(models):
+    parse_err({"method": "eagle2", "model": str(models["draft"]), "topk": 0}, "topk")
+    parse_err({"method": "eagle", "model": str(models["draft"]), "topk": 0}, "topk")
+
+
+def test_topk_above_one_with_eagle(models):
+    msg = parse_err({"method": "eagle", "model": str(models["draft"]), "topk": 2}, "topk")
+    assert "eagle2" in msg
+    # topk 1 is fine for a chain
+    assert (
+        parse_speculative_config({"method": "eagle", "model": str(models["draft"]), "topk": 1}).topk
+        == 1
+    )
+
+
+def test_eagle_total_tokens_must_match_chain(models):
+    d = str(models["draft"])
+    parse_err(
+        {"method": "eagle", "model": d, "num_speculative_tokens": 3, "total_tokens": 8},
+        "total_tokens",
+    )
+    cfg = parse_speculative_config(
+        {"method": "eagle", "model": d, "num_speculative_tokens": 3, "total_tokens": 4}
+    )
+    assert cfg.total_tokens == 4
+
+
+@pytest.mark.parametrize("total", [1, 0, -3])
+def test_eagle2_total_tokens_below_two(models, total):
+    msg = parse_err(
+        {"method": "eagle2", "model": str(models["draft"]), "total_tokens": total},
+        "total_tokens",
+    )
+    assert "below 2" in msg
+
+
+@pytest.mark.parametrize("depth,topk", [(1, 1), (1, 4), (2, 2), (3, 3), (4, 4)])
+def test_eagle2_total_tokens_reachable(models, depth, topk):
+    max_nodes = 1 + topk + (depth - 1) * topk * topk
+    base = {
+        "method": "eagle2",
+        "model": str(models["draft"]),
+        "num_speculative_tokens": depth,
+        "topk": topk,
+    }
+    cfg = parse_speculative_config({**base, "total_tokens": max_nodes})
+    assert cfg.num_draft_slots == max_nodes - 1
+    msg = parse_err({**base, "total_tokens": max_nodes + 1}, "total_tokens")
+    assert str(max_nodes) in msg
+
+
+def test_eagle2_total_tokens_minimum(models):
+    cfg = parse_speculative_config(
+        {"method": "eagle2", "model": str(models["draft"]), "total_tokens": 2}
+    )
+    assert cfg.num_draft_slots == 1
+
+
+def test_too_many_drafts(models):
+    d = str(models["draft"])
+    # chain: at the limit is fine, one more is not
+    assert (
+        parse_speculative_config(
+            {"method": "eagle", "model": d, "num_speculative_tokens": MAX_DRAFT_SLOTS}
+        ).num_draft_slots
+        == MAX_DRAFT_SLOTS
+    )
+    msg = parse_err(
+        {"method": "eagle", "model": d, "num_speculative_tokens": MAX_DRAFT_SLOTS + 1},
+        "num_speculative_tokens",
+    )
+    assert str(MAX_DRAFT_SLOTS) in msg
+    # tree: depth 10, topk 4 reaches 149 nodes
+    tree = {"method": "eagle2", "model": d, "num_speculative_tokens": 10, "topk": 4}
+    assert parse_speculative_config({**tree, "total_tokens": MAX_DRAFT_SLOTS + 1}).total_tokens == (
+        MAX_DRAFT_SLOTS + 1
+    )
+    msg = parse_err({**tree, "total_tokens": MAX_DRAFT_SLOTS + 2}, "total_tokens")
+    assert "exceed" in msg
+
+
+def test_unknown_draft_sample_method(models):
+    msg = parse_err(
+        {"method": "eagle", "model": str(models["draft"]), "draft_sample_method": "multinomial"},
+        "draft_sample_method",
+    )
+    assert "greedy" in msg
+
+
+def test_defaults_eagle(models):
+    cfg = parse_speculative_config({"method": "eagle", "model": str(models["draft"])})
+    assert cfg == EagleSpecConfig(
+        method="eagle",
+        model=str(models["draft"]),
+        num_speculative_tokens=DEFAULTS["eagle"]["num_speculative_tokens"],
+        topk=1,
+        total_tokens=DEFAULTS["eagle"]["num_speculative_tokens"] + 1,
+        draft_sample_method="greedy",
+    )
+    assert cfg.num_speculative_tokens == 3 and cfg.num_draft_slots == 3
+
+
+def test_defaults_eagle2(models):
+    cfg = parse_speculative_config({"method": "eagle2", "model": str(models["draft"])})
+    assert (cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens) == (4, 4, 16)
+    assert cfg.draft_sample_method == "greedy"
+    assert cfg.num_draft_slots == 15
+
+
+def test_input_dict_not_mutated(models):
+    spec = {"method": "eagle"}
+    parse_speculative_config(spec, speculative_model=str(models["draft"]))
+    assert spec == {"method": "eagle"}
+
+
+def test_speculative_model(models):
+    d = str(models["draft"])
+    cfg = parse_speculative_config({"method": "eagle"}, speculative_model=d)
+    assert cfg.model == d
+    # the same folder twice is fine, two different ones are not
+    parse_speculative_config({"method": "eagle", "model": d}, speculative_model=d)
+    msg = parse_err({"method": "eagle", "model": "/elsewhere"}, "model", speculative_model=d)
+    assert "given twice" in msg
+
+
+# --------------------------------------------------------------------------
+# against the target
+# --------------------------------------------------------------------------
+def test_matching_target(models):
+    t = str(models["target"])
+    cfg = parse_speculative_config({"method": "eagle2", "model": str(models["draft"])}, target=t)
+    validate_against_target(cfg, t, max_model_len=512)
+
+
+def test_hidden_size_mismatch(models):
+    t = str(models["target"])
+    spec = {"method": "eagle", "model": str(models["draft_h128"])}
+    msg = parse_err(spec, "model", target=t)
+    assert "hidden_size 128" in msg and "256" in msg and t in msg
+    # without a target the draft alone is valid; validate_against_target catches it
+    cfg = parse_speculative_config(spec)
+    with pytest.raises(EagleConfigError) as exc:
+        validate_against_target(cfg, t)
+    assert_fix(exc, "model")
+
+
+def test_vocab_mismatch(models):
+    t = str(models["target"])
+    spec = {"method": "eagle", "model": str(models["draft_vocab300"])}
+    msg = parse_err(spec, "model", target=t)
+    assert "vocab_size 300" in msg and str(tiny_models.VOCAB_WORDS + 4) in msg
+    with pytest.raises(EagleConfigError) as exc:
+        validate_against_target(parse_speculative_config(spec), t)
+    assert_fix(exc, "model")
+
+
+def test_target_text_config(models, tmp_path):
+    """Multimodal-style configs keep the LM's sizes under ``text_config``."""
+    cfg = json.loads((models["target"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llava", "text_config": {**cfg, "hidden_size": 512}})
+    )
+    spec = parse_speculative_config({"method": "eagle", "model": str(models["draft"])})
+    with pytest.raises(EagleConfigError, match="hidden_size 256.*512"):
+        validate_against_target(spec, str(tmp_path))
+
+
+def test_unknown_target_is_not_checked_here(models, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = parse_speculative_config({"method": "eagle", "model": str(models["draft_h128"])})
+    validate_against_target(spec, "no-such-org/no-such-model-eagle-vllm-test")
+
+
+@pytest.mark.parametrize(
+    "spec,key,ok_len,bad_len",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 5}, "num_speculative_tokens", 7, 6),
+        ({"method": "eagle2", "total_tokens": 16}, "total_tokens", 17, 16),
+    ],
+)
+def test_max_model_len_too_small(models, spec, key, ok_len, bad_len):
+    t = str(models["target"])
+    cfg = parse_speculative_config({**spec, "model": str(models["draft"])}, target=t)
+    validate_against_target(cfg, t, max_model_len=ok_len)
+    with pytest.raises(EagleConfigError) as exc:
+        validate_against_target(cfg, t, max_model_len=bad_len)
+    msg = assert_fix(exc, key)
+    assert f"max_model_len {bad_len}" in msg
+
+
+# --------------------------------------------------------------------------
+# mapping onto vLLM
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec,slots",
+    [
+        ({"method": "eagle"}, 3),
+        ({"method": "eagle", "num_speculative_tokens": 5}, 5),
+        ({"method": "eagle2"}, 15),
+        ({"method": "eagle2", "num_speculative_tokens": 3, "topk": 2, "total_tokens": 8}, 7),
+    ],
+)
+def test_engine_kwargs(models, spec, slots):
+    d = str(models["draft"])
+    cfg = parse_speculative_config({**spec, "model": d})
+    kw = cfg.engine_kwargs()
+    assert set(kw) == {"speculative_config", "additional_config", "worker_cls"}
+    assert kw["speculative_config"] == {
+        "method": "eagle",
+        "model": d,
+        "num_speculative_tokens": cfg.total_tokens - 1,
+    }
+    assert kw["speculative_config"]["num_speculative_tokens"] == slots
+    assert kw["worker_cls"] == WORKER_CLS == "eagle_vllm.engine.worker.EagleWorker"
+    assert set(kw["additional_config"]) == {ADDITIONAL_CONFIG_KEY}
+    plugin = kw["additional_config"][ADDITIONAL_CONFIG_KEY]
+    assert plugin == cfg.to_dict()
+    json.dumps(plugin)  # must survive vLLM's config hashing / IPC
+    assert EagleSpecConfig.from_dict(plugin) == cfg
+
+
+def test_is_eagle_vllm_request(tmp_path):
+    assert is_eagle_vllm_request("configs/eagle.yaml")
+    assert is_eagle_vllm_request(tmp_path / "spec.yaml")
+    assert not is_eagle_vllm_request({"method": "eagle", "model": "x"})
+    assert not is_eagle_vllm_request({"method": "eagle", "num_speculative_tokens": 3})
+    assert not is_eagle_vllm_request({"method": "ngram", "num_speculative_tokens": 3})
+    assert is_eagle_vllm_request({"method": "eagle2", "model": "x"})
+    assert is_eagle_vllm_request({"method": "eagle", "topk": 1})
+    assert is_eagle_vllm_request({"method": "eagle", "total_tokens": 4})
+    assert is_eagle_vllm_request({"method": "eagle", "draft_sample_method": "greedy"})
+    assert is_eagle_vllm_request({"_eagle_vllm_source": "/x/spec.yaml"})
+    assert not is_eagle_vllm_request(None)
+    assert not is_eagle_vllm_request({})
+
+
+def test_speculative_config_arg(tmp_path, monkeypatch):
+    assert speculative_config_arg('{"method": "ngram", "num_speculative_tokens": 2}') == {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+    }
+    assert speculative_config_arg('  {"method": "eagle2"} ') == {"method": "eagle2"}
+    f = tmp_path / "spec.yaml"
+    f.write_text("method: eagle\n")
+    monkeypatch.chdir(tmp_path)
+    out = speculative_config_arg("spec.yaml")
+    assert out == {"_eagle_vllm_source": str(f.resolve())}
+    assert is_eagle_vllm_request(out)
+    for garbage in ["{not json", "{'method': 'eagle'}", "no/such/file.yaml", "method=eagle"]:
+        with pytest.raises(EagleConfigError, match="Fix:"):
+            speculative_config_arg(garbage)
+
+
+def test_resolve(models, tmp_path):
+    d, t = str(models["draft"]), str(models["target"])
+    assert resolve(None, target=t) is None
+    assert resolve({"method": "eagle", "model": d, "num_speculative_tokens": 2}) is None
+    assert resolve({"method": "ngram", "num_speculative_tokens": 2}) is None
+    f = tmp_path / "spec.yaml"
+    f.write_text(f"method: eagle2\nmodel: {d}\n")
+    expected = parse_speculative_config(str(f)).engine_kwargs()
+    assert resolve(speculative_config_arg(str(f)), target=t) == expected
+    assert resolve(f, target=t) == expected
+    assert resolve(str(f), target=t, max_model_len=512) == expected
+    with pytest.raises(EagleConfigError, match="max_model_len 8"):
+        resolve(str(f), target=t, max_model_len=8)
+
+
+def _engine_args(**kw):
+    base = dict(
+        additional_config=None,
+        speculative_config=None,
+        model=None,
+        max_model_len=None,
+        worker_cls="auto",
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_apply_to_engine_args(models, tmp_path):
+    d, t = str(models["draft"]), str(models["target"])
+    f = tmp_path / "spec.yaml"
+    f.write_text(f"method: eagle\nmodel: {d}\nnum_speculative_tokens: 2\n")
+
+    args = _engine_args(
+        speculative_config=speculative_config_arg(str(f)),
+        model=t,
+        additional_config={"other": 1},
+    )
+    apply_to_engine_args(args)
+    assert args.speculative_config == {"method": "eagle", "model": d, "num_speculative_tokens": 2}
+    assert args.worker_cls == WORKER_CLS
+    assert args.additional_config["other"] == 1
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["num_speculative_tokens"] == 2
+    # a second call (already resolved) changes nothing
+    snapshot = dict(vars(args))
+    apply_to_engine_args(args)
+    assert vars(args) == snapshot
+
+    # vLLM's built-in EAGLE passes through untouched
+    builtin = {"method": "eagle", "model": d, "num_speculative_tokens": 2}
+    args = _engine_args(speculative_config=dict(builtin), model=t)
+    apply_to_engine_args(args)
+    assert args.speculative_config == builtin and args.worker_cls == "auto"
+
+    # a foreign worker_cls is refused
+    args = _engine_args(speculative_config=str(f), model=t, worker_cls="my.Worker")
+    with pytest.raises(EagleConfigError, match="worker_cls.*Fix:"):
+        apply_to_engine_args(args)
+
+    # bad configs fail here, before any engine exists
+    args = _engine_args(
+        speculative_config={"method": "eagle2", "model": str(models["draft_h128"])}, model=t
+    )
+    with pytest.raises(EagleConfigError, match="hidden_size"):
+        apply_to_engine_args(args)
