@@ -144,3 +144,15 @@ def _prefix_cache_hits(llm) -> float:
         if metric.name == "vllm:prefix_cache_hits":
             return metric.value
     raise AssertionError("vllm:prefix_cache_hits not reported")
+
+
+def test_tp2_mp_tree_greedy_equals_vanilla(tiny, vanilla, monkeypatch):
+    """Tensor parallel 2 with the mp executor: every rank builds the same tree,
+    verifies the same path and compacts its own KV shard."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm = _eagle2(tiny["target"], tiny["draft_noisy"], 4, 4, 12, tensor_parallel_size=2)
+    got = token_ids(llm.generate(PROMPTS, greedy()))
+    metrics = spec_metrics(llm)
+    shutdown(llm)
+    assert got == vanilla["batch"]
+    assert mean_acceptance_length(metrics) > 1.2, metrics
