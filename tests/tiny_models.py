@@ -24,12 +24,12 @@ KV_HEADS = 2
 INTERMEDIATE = 256
 
 
-def build_tokenizer(path: Path) -> int:
+def build_tokenizer(path: Path, words: int = VOCAB_WORDS) -> int:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for i in range(VOCAB_WORDS):
+    for i in range(words):
         vocab[f"w{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -65,14 +65,21 @@ def _llama_config(vocab_size: int, layers: int):
 
 
 def build_target(
-    path: Path, *, oracle: bool = False, context: float = 0.0, layers: int = 2, seed: int = 0
+    path: Path,
+    *,
+    oracle: bool = False,
+    context: float = 0.0,
+    layers: int = 2,
+    seed: int = 0,
+    words: int = VOCAB_WORDS,
+    lm_scale: float | None = None,
 ) -> Path:
     """``oracle``: o_proj/down_proj scaled by ``context`` (0 = next token depends
     only on the current token; small values add a little context dependence)."""
     from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = build_tokenizer(path)
+    vocab_size = build_tokenizer(path, words)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_llama_config(vocab_size, layers)).float()
     with torch.no_grad():
@@ -85,7 +92,9 @@ def build_target(
                 layer.self_attn.o_proj.weight.mul_(context)
                 layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
-        if oracle:
+        if lm_scale is not None:  # small values give spread-out distributions
+            model.lm_head.weight.mul_(lm_scale)
+        elif oracle:
             model.lm_head.weight.mul_(20.0)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
