@@ -47,6 +47,22 @@ class TreeBatch:
     def tree_positions(self) -> torch.Tensor:
         return self.root_pos[:, None] + self.depths
 
+    def compaction_moves(
+        self, accepted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Which K/V must move after verification.
+
+        ``accepted``: ``[R, D]`` node indices of each tree's accepted path (-1 padded).
+        Path node ``i`` (0-based) belongs at position ``root + i + 1``, i.e. flat row
+        ``root_index + i + 1``. Returns ``(tree, src_node, dst_row)`` for every node
+        not already there; the caller copies K/V of ``(tree, src_node)`` (captured
+        during the forward, so overlapping sources are safe) to ``dst_row``'s slot.
+        """
+        depth_index = torch.arange(1, accepted.shape[1] + 1)[None, :].expand_as(accepted)
+        moved = (accepted >= 0) & (accepted != depth_index)
+        tree, i = moved.nonzero(as_tuple=True)
+        return tree, accepted[tree, i], self.root_index[tree] + i + 1
+
     def ancestor_mask(self) -> torch.Tensor:
         """[R, N, N] True where node i may attend to node j (j is i or an ancestor)."""
         r, n = self.parents.shape

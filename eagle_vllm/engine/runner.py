@@ -145,14 +145,9 @@ class EagleRunnerMixin:
     def _compact_kv(self, accepted_nodes: torch.Tensor) -> None:
         """Move accepted node i's K/V to the slot of position root+i, in every target layer."""
         tb = self.tree_batch
-        path = accepted_nodes[tb.batch_rows]  # [R, D]
-        depth_index = torch.arange(1, path.shape[1] + 1)[None, :].expand_as(path)
-        moved = (path >= 0) & (path != depth_index)
-        if not bool(moved.any()):
+        r, src_node, dst_row = tb.compaction_moves(accepted_nodes[tb.batch_rows])
+        if r.numel() == 0:
             return
-        r, i = moved.nonzero(as_tuple=True)
-        src_node = path[r, i]
-        dst_row = tb.root_index[r] + i + 1
         slots = self.input_batch.block_table[0].slot_mapping.cpu[dst_row].to(torch.int64)
         ctx = self.compilation_config.static_forward_context
         for layer_name, (node_k, node_v) in tb.captured_kv.items():

@@ -98,7 +98,6 @@ def test_sampled_distribution_matches_vanilla(small, vanilla, method, draft, tem
         assert p > P_MIN, f"tokens {cols}: chi-square p={p:.2e}"
 
 
-@pytest.mark.slow
 def test_the_test_rejects_vllm_builtin_eagle_on_cpu(small, vanilla):
     spec = {"method": "eagle", "model": str(small["good"]), "num_speculative_tokens": 3}
     theirs = _spec_samples(small["target"], spec, 1.0, builtin=True)
