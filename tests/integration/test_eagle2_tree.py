@@ -24,6 +24,9 @@ def vanilla(tiny):
         "batch": token_ids(llm.generate(PROMPTS, greedy())),
         "long": token_ids(llm.generate([PROMPTS[-1], PROMPTS[-2]], greedy(48))),
         "cont": token_ids(llm.generate([PROMPTS[6]], greedy(300)))[0],
+        "near_max": token_ids(
+            llm.generate([" ".join(f"w{(5 * i + 3) % 250}" for i in range(490))], greedy())
+        )[0],
     }
     shutdown(llm)
     return out
@@ -156,3 +159,59 @@ def test_tp2_mp_tree_greedy_equals_vanilla(tiny, vanilla, monkeypatch):
     shutdown(llm)
     assert got == vanilla["batch"]
     assert mean_acceptance_length(metrics) > 1.2, metrics
+
+
+@pytest.fixture(scope="module")
+def tree_llm(tiny, vanilla):
+    llm = _eagle2(tiny["target"], tiny["draft_noisy"], 4, 4, 12)
+    yield llm
+    shutdown(llm)
+
+
+def test_tree_mixed_batch_ends_where_vanilla_ends(tree_llm, vanilla):
+    """Greedy and sampled requests, different max_tokens, and stop tokens that land
+    inside accepted tree paths."""
+    from test_eagle_chain import _vanilla_with_stops, mixed_batch
+
+    prompts, params = mixed_batch()
+    for i in (2, 5, 8):
+        params[i].stop_token_ids = [vanilla["batch"][i][20]]
+    expected = _vanilla_with_stops({"batch": vanilla["batch"]}, params)
+    outs = tree_llm.generate(prompts, params)
+    for i, (out, p) in enumerate(zip(outs, params)):
+        got = list(out.outputs[0].token_ids)
+        if p.temperature == 0:
+            assert got == expected[i], f"request {i}"
+        else:
+            assert len(got) == p.max_tokens, f"request {i}"
+
+
+def test_requests_joining_and_leaving(tree_llm, vanilla):
+    """Continuous batching: requests arrive while others are mid-generation."""
+    from vllm import SamplingParams
+
+    engine = tree_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    pending = list(enumerate(PROMPTS))
+    done: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step
+            i, prompt = pending.pop(0)
+            engine.add_request(f"join-{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    assert [done[f"join-{i}"] for i in range(len(PROMPTS))] == vanilla["batch"]
+
+
+def test_tree_near_max_model_len(tiny, vanilla, tree_llm):
+    """Trees are cut at max_model_len (512) instead of overflowing; output ends exactly there."""
+    from vllm import SamplingParams
+
+    prompt = " ".join(f"w{(5 * i + 3) % 250}" for i in range(490))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    got = tree_llm.generate([prompt], params)[0].outputs[0]
+    assert len(got.token_ids) == 512 - 490
+    assert list(got.token_ids) == vanilla["near_max"]
