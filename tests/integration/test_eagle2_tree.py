@@ -169,21 +169,10 @@ def tree_llm(tiny, vanilla):
 
 
 def test_tree_mixed_batch_ends_where_vanilla_ends(tree_llm, vanilla):
-    """Greedy and sampled requests, different max_tokens, and stop tokens that land
-    inside accepted tree paths."""
-    from test_eagle_chain import _vanilla_with_stops, mixed_batch
+    """Stop tokens and max_tokens landing inside accepted tree paths."""
+    from test_eagle_chain import check_mixed_batch
 
-    prompts, params = mixed_batch()
-    for i in (2, 5, 8):
-        params[i].stop_token_ids = [vanilla["batch"][i][20]]
-    expected = _vanilla_with_stops({"batch": vanilla["batch"]}, params)
-    outs = tree_llm.generate(prompts, params)
-    for i, (out, p) in enumerate(zip(outs, params)):
-        got = list(out.outputs[0].token_ids)
-        if p.temperature == 0:
-            assert got == expected[i], f"request {i}"
-        else:
-            assert len(got) == p.max_tokens, f"request {i}"
+    check_mixed_batch(tree_llm, vanilla["batch"])
 
 
 def test_requests_joining_and_leaving(tree_llm, vanilla):

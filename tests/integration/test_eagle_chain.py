@@ -37,9 +37,8 @@ def vanilla_outputs(tiny):
 
     llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
     batch = token_ids(llm.generate(PROMPTS, greedy()))
-    mixed = llm.generate(*mixed_batch())
     shutdown(llm)
-    return {"batch": batch, "mixed": mixed}
+    return {"batch": batch}
 
 
 @pytest.fixture(scope="module")
@@ -92,34 +91,33 @@ def test_greedy_equals_vanilla_one_by_one(eagle_llm, vanilla_outputs):
 
 
 def test_mixed_batch_ends_where_vanilla_ends(eagle_llm, vanilla_outputs):
+    check_mixed_batch(eagle_llm, vanilla_outputs["batch"])
+
+
+def check_mixed_batch(llm, vanilla_batch: list[list[int]]) -> None:
+    """Greedy and sampled requests with different max_tokens, plus stop tokens chosen
+    inside the greedy outputs so that they land in the middle of accepted drafts:
+    every greedy request ends exactly where vanilla ends, sampled ones at max_tokens."""
     prompts, params = mixed_batch()
-    # stop strings and stop tokens chosen inside the greedy outputs, so they land
-    # in the middle of accepted drafts
     for i in (2, 5, 8):
-        ids = vanilla_outputs["batch"][i]
-        params[i].stop_token_ids = [ids[20]]
-    vanilla_stops = _vanilla_with_stops(vanilla_outputs, params)
-    outs = eagle_llm.generate(prompts, params)
-    for i, (out, p) in enumerate(zip(outs, params)):
+        params[i].stop_token_ids = [vanilla_batch[i][20]]
+    outs = llm.generate(prompts, params)
+    for i, (out, p, ids) in enumerate(zip(outs, params, vanilla_batch)):
         got = list(out.outputs[0].token_ids)
         if p.temperature == 0:
-            assert got == vanilla_stops[i], f"request {i}"
+            assert got == _vanilla_with_stops(ids, p), f"request {i}"
         else:
             assert len(got) == p.max_tokens, f"request {i}"
             assert out.outputs[0].finish_reason == "length"
 
 
-def _vanilla_with_stops(vanilla_outputs, params):
-    """Where vanilla greedy ends under each request's max_tokens and stop tokens."""
-    expected = []
-    for ids, p in zip(vanilla_outputs["batch"], params):
-        ids = ids[: p.max_tokens]
-        for j, tok in enumerate(ids):
-            if tok in (p.stop_token_ids or []):
-                ids = ids[: j + 1]
-                break
-        expected.append(ids)
-    return expected
+def _vanilla_with_stops(ids: list[int], params) -> list[int]:
+    """Where vanilla greedy ends under the request's max_tokens and stop tokens."""
+    ids = ids[: params.max_tokens]
+    for j, tok in enumerate(ids):
+        if tok in (params.stop_token_ids or []):
+            return ids[: j + 1]
+    return ids
 
 
 def test_stop_string_inside_accepted_drafts(eagle_llm, vanilla_outputs):
