@@ -31,6 +31,7 @@ class TreeBatch:
     block_table: torch.Tensor  # [R, max_blocks] int32, this step's block-table rows
     # filled during the target forward: layer name -> (K, V) of the tree rows [R, N, Hkv, D]
     captured_kv: dict = field(default_factory=dict)
+    _ancestor_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def width(self) -> int:
@@ -64,7 +65,14 @@ class TreeBatch:
         return tree, accepted[tree, i], self.root_index[tree] + i + 1
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[R, N, N] True where node i may attend to node j (j is i or an ancestor)."""
+        """[R, N, N] True where node i may attend to node j (j is i or an ancestor).
+
+        Computed once per step and reused by every attention layer."""
+        if self._ancestor_mask is None:
+            self._ancestor_mask = self._build_ancestor_mask()
+        return self._ancestor_mask
+
+    def _build_ancestor_mask(self) -> torch.Tensor:
         r, n = self.parents.shape
         mask = torch.eye(n, dtype=torch.bool).repeat(r, 1, 1)
         cur = self.parents.clone()

@@ -35,6 +35,7 @@ from eagle_vllm.attention.tree_batch import TreeBatch
 from eagle_vllm.config import ADDITIONAL_CONFIG_KEY, EagleSpecConfig
 from eagle_vllm.engine.proposer import EagleTreeProposer
 from eagle_vllm.engine.sampler import ExactRejectionSampler
+from eagle_vllm.verify import chain_parents
 
 
 def eagle_config_of(vllm_config) -> EagleSpecConfig | None:
@@ -128,7 +129,7 @@ class EagleRunnerMixin:
         tb = self.tree_batch
         if tb is None:
             return None
-        parents = ExactRejectionSampler._chain_parents(num_nodes, width)
+        parents = chain_parents(num_nodes, width)
         n = min(width, tb.width)
         tree_parents = tb.parents[:, :n].clone()
         tree_parents[tree_parents >= num_nodes[tb.batch_rows][:, None]] = -1
@@ -175,17 +176,17 @@ class EagleRunnerMixin:
         width = tb.width
         order = torch.arange(width)[None, :].repeat(tb.parents.shape[0], 1)
         for r in range(order.shape[0]):
-            accepted = path[r][path[r] >= 0]
-            rest = [j for j in range(1, int(tb.num_nodes[r])) if j not in set(accepted.tolist())]
-            new = [0, *accepted.tolist(), *rest]
+            accepted = path[r][path[r] >= 0].tolist()
+            taken = set(accepted)
+            rest = [j for j in range(1, int(tb.num_nodes[r])) if j not in taken]
+            new = [0, *accepted, *rest]
             order[r, : len(new)] = torch.tensor(new)
         valid = tb.valid()
         src = (tb.root_index[:, None] + order)[valid]
         dst = tb.flat_rows()[valid]
-        num_tokens = int(dst.max()) + 1
-        perm = torch.arange(max(num_tokens, hidden_states.shape[0]))
+        perm = torch.arange(hidden_states.shape[0])
         perm[dst] = src
-        hidden_states = hidden_states[perm[: hidden_states.shape[0]]]
+        hidden_states = hidden_states[perm]
         input_ids = self.input_ids.gpu
         input_ids[dst] = input_ids[src].clone()
         offsets = torch.arange(width)[None, :].expand_as(order)

@@ -25,7 +25,7 @@ from vllm.v1.sample.rejection_sampler import (
     RejectionSampler,
 )
 
-from eagle_vllm.verify import deterministic_tree_verify, greedy_verify
+from eagle_vllm.verify import chain_parents, deterministic_tree_verify, greedy_verify
 
 
 class ExactRejectionSampler(RejectionSampler):
@@ -100,7 +100,7 @@ class ExactRejectionSampler(RejectionSampler):
         if not sampling_metadata.no_penalties or sampling_metadata.bad_words_token_ids:
             # vLLM conditions penalties/bad words on the drafts as a chain; only
             # the root's row is right for a tree, so tree requests verify no drafts.
-            is_tree = (parents != self._chain_parents(num_nodes, max_drafts + 1)).any(dim=1)
+            is_tree = (parents != chain_parents(num_nodes, max_drafts + 1)).any(dim=1)
             num_nodes = torch.where(is_tree, 1, num_nodes)
 
         is_greedy = sampling_metadata.temperature is None or sampling_metadata.all_greedy
@@ -147,13 +147,7 @@ class ExactRejectionSampler(RejectionSampler):
             parents = self.tree_source(num_nodes, width)
             if parents is not None:
                 return parents
-        return self._chain_parents(num_nodes, width)
-
-    @staticmethod
-    def _chain_parents(num_nodes: torch.Tensor, width: int) -> torch.Tensor:
-        parents = torch.arange(width, dtype=torch.int64)[None, :].repeat(num_nodes.shape[0], 1) - 1
-        parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
-        return parents
+        return chain_parents(num_nodes, width)
 
 
 def apply_sampling_constraints(
