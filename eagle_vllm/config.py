@@ -64,6 +64,8 @@ class EagleSpecConfig:
     topk: int = 1
     total_tokens: int = 0
     draft_sample_method: str = "greedy"
+    # Draft over the N most frequent tokens (0: the full vocabulary). See draft_vocab key.
+    draft_vocab: int = 0
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -101,6 +103,8 @@ _ALLOWED_KEYS = {
     "topk": (int,),
     "total_tokens": (int,),
     "draft_sample_method": (str,),
+    # "auto": the head's draft_vocab.json if it has one; "full"; or N most frequent
+    "draft_vocab": (str, int),
 }
 
 
@@ -270,7 +274,12 @@ def parse_speculative_config(
             f"use one of {list(DRAFT_SAMPLE_METHODS)}",
         )
 
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    info = inspect_draft_checkpoint(str(model_path))  # raises on unreadable/mismatched weights
+    draft_vocab = _resolve_draft_vocab(data.get("draft_vocab", "auto"), info)
     cfg = EagleSpecConfig(
+        draft_vocab=draft_vocab,
         method=method,
         model=str(model_path),
         num_speculative_tokens=depth,
@@ -279,12 +288,32 @@ def parse_speculative_config(
         draft_sample_method=values["draft_sample_method"],
         source=source,
     )
-    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
-
-    inspect_draft_checkpoint(cfg.model)  # raises on unreadable/mismatched weights
     if target is not None:
         validate_against_target(cfg, target)
     return cfg
+
+
+def _resolve_draft_vocab(value: str | int, info) -> int:
+    """'auto' -> the head's reduced vocabulary if it has one; 'full' -> 0; N -> N."""
+    if value == "auto":
+        return info.draft_vocab_size
+    if value == "full":
+        return 0
+    if isinstance(value, str):
+        raise _fail("draft_vocab", f"unknown value '{value}'", "use auto, full or a number")
+    if info.draft_vocab_size == 0:
+        raise _fail(
+            "draft_vocab",
+            f"{value} needs the head's draft_vocab.json, which '{info.path}' lacks",
+            "use 'full', or train the head with eagle-vllm train --ce-vocab N",
+        )
+    if not 1 <= value <= info.draft_vocab_size:
+        raise _fail(
+            "draft_vocab",
+            f"{value} is outside 1..{info.draft_vocab_size} (the head's ranked token list)",
+            f"use at most {info.draft_vocab_size}, or 'auto'",
+        )
+    return value
 
 
 def _load_target_config(target: str) -> dict[str, Any] | None:
@@ -347,5 +376,5 @@ def is_eagle_vllm_request(spec: Any) -> bool:
             return True
         if spec.get("method") == "eagle2":
             return True
-        return bool({"topk", "total_tokens", "draft_sample_method"} & set(spec))
+        return bool({"topk", "total_tokens", "draft_sample_method", "draft_vocab"} & set(spec))
     return False

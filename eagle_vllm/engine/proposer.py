@@ -111,6 +111,11 @@ class EagleTreeProposer(EagleProposer):
                 f"eagle_vllm: draft hidden_size {draft_hidden} does not match the "
                 f"target's {target_hidden}. Fix: use a draft trained for this target."
             )
+        if self.eagle_config.draft_vocab:
+            from eagle_vllm.models.checkpoint import load_draft_vocab
+
+            ids = load_draft_vocab(self.eagle_config.model)[: self.eagle_config.draft_vocab]
+            self.model.use_draft_vocab(ids)
 
     def drafted_trees(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """req_id -> (tokens, parents, depths) of the trees handed out by the last propose."""

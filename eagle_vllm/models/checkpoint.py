@@ -20,6 +20,11 @@ from pathlib import Path
 from eagle_vllm.config import EagleConfigError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# A frequency-ranked subset of the target's vocabulary to draft over (FR-Spec style),
+# written by ``eagle-vllm train --ce-vocab N``: {"token_ids": [...]}, most frequent first.
+# JSON, not safetensors: vLLM's loader reads every *.safetensors file of the folder, and
+# stock vLLM EAGLE must still load the head.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class DraftCheckpointError(EagleConfigError):
@@ -36,6 +41,7 @@ class DraftInfo:
     fc_bias: bool
     has_embed_tokens: bool
     has_draft_vocab_map: bool
+    draft_vocab_size: int = 0  # length of draft_vocab.json' token_ids (0: none)
 
 
 def _weight_keys_and_shapes(path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
@@ -118,6 +124,7 @@ def inspect_draft_checkpoint(path: str) -> DraftInfo:
             f"num_hidden_layers={num_layers}. Fix: make them agree."
         )
     return DraftInfo(
+        draft_vocab_size=_draft_vocab_size(folder, vocab),
         path=str(folder),
         weights_file=weights_file,
         hidden_size=hidden,
@@ -127,3 +134,33 @@ def inspect_draft_checkpoint(path: str) -> DraftInfo:
         has_embed_tokens=embed is not None,
         has_draft_vocab_map="d2t" in shapes,
     )
+
+
+def _draft_vocab_size(folder: Path, vocab: int) -> int:
+    path = folder / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return 0
+    ids = load_draft_vocab(str(folder))
+    if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise DraftCheckpointError(
+            f"'{path}' must hold token_ids: a 1-D list of distinct target token ids "
+            f"in [0, {vocab}). Fix: rewrite it with eagle-vllm train, or delete it."
+        )
+    if ids.unique().numel() != ids.numel():
+        raise DraftCheckpointError(f"'{path}' repeats token ids. Fix: keep each id once.")
+    return int(ids.numel())
+
+
+def load_draft_vocab(path: str):
+    """The frequency-ranked token ids of a head's reduced draft vocabulary."""
+    import torch
+
+    path = Path(path) / DRAFT_VOCAB_FILE
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DraftCheckpointError(
+            f"'{path}' is not a JSON object with a token_ids list ({exc}). "
+            "Fix: rewrite it with eagle-vllm train, or delete it."
+        ) from None

@@ -8,6 +8,11 @@
   layer 0 has no ``input_layernorm``; there is no final norm.
 * ``embed_tokens`` and ``lm_head`` are the target's: vLLM's EAGLE loader
   replaces the draft's modules by the target's (frozen, not duplicated).
+* optional reduced draft vocabulary (FR-Spec style, ``use_draft_vocab``): the
+  draft's logits are computed for a frequency-ranked subset of the target's
+  LM-head rows only and are -inf elsewhere. For a small target the LM head is
+  most of a draft step. It stays lossless: verification only ever sees the
+  draft's true distribution q (zero outside the subset) or its argmax.
 
 Written against vLLM 0.32 (vllm/model_executor/models/llama_eagle.py).
 """
@@ -49,6 +54,33 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
                 prefix=maybe_prefix(maybe_prefix(prefix, "model"), "fc"),
                 return_bias=False,
             )
+
+    draft_lm_head: torch.Tensor | None = None
+    draft_vocab_ids: torch.Tensor | None = None
+
+    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over ``token_ids`` only; the LM-head rows are copied (replicated on TP ranks)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
+
+        weight = self.lm_head.weight
+        ids = token_ids.to(device=weight.device, dtype=torch.int64)
+        shard = self.lm_head.shard_indices  # this rank's slice of the vocabulary
+        local = (ids >= shard.org_vocab_start_index) & (ids < shard.org_vocab_end_index)
+        rows = torch.zeros(ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        rows[local] = weight[ids[local] - shard.org_vocab_start_index].detach()
+        if get_tensor_model_parallel_world_size() > 1:
+            rows = all_reduce(rows)  # each row is non-zero on exactly one rank
+        self.draft_lm_head = rows
+        self.draft_vocab_ids = ids
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self.draft_lm_head is None:
+            return super().compute_logits(hidden_states)
+        sub = hidden_states @ self.draft_lm_head.T.to(hidden_states.dtype)
+        logits = sub.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
+        logits[:, self.draft_vocab_ids] = sub
+        return logits
 
     def combine_features(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(t); f]): the decoder input for a (token, feature) pair."""

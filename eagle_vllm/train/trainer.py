@@ -369,8 +369,14 @@ class Trainer:
             k: v.detach().to(target_dtype).contiguous() for k, v in self.model.state_dict().items()
         }
         save_file(weights, str(self.out / "model.safetensors"))
-        if len(self.vocab_ids) < self.lm_head.shape[0] or self.cfg.ce_vocab:
-            torch.save(self.vocab_ids, self.out / "ce_vocab.pt")
+        if len(self.vocab_ids) < self.row_of.shape[0]:
+            # the CE's token subset, ranked by frequency: the head's reduced draft vocabulary
+            from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
+
+            (self.out / DRAFT_VOCAB_FILE).write_text(json.dumps({
+                "token_ids": self.vocab_ids.tolist(),
+                "ranked_by": "assistant-token frequency in the training data",
+            }))
         return self.out
 
 

@@ -561,3 +561,44 @@ def test_apply_to_engine_args(models, tmp_path):
     )
     with pytest.raises(EagleConfigError, match="hidden_size"):
         apply_to_engine_args(args)
+
+
+# -- draft_vocab (reduced draft vocabulary) ------------------------------------
+def _with_draft_vocab(models, tmp_path, ids) -> Path:
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    path = tmp_path / "draft_dv"
+    shutil.copytree(models["draft"], path)
+    (path / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    inspect_draft_checkpoint.cache_clear()
+    return path
+
+
+def test_draft_vocab_auto_full_and_number(models, tmp_path):
+    draft = _with_draft_vocab(models, tmp_path, list(range(100, 0, -1)))
+    base = {"method": "eagle", "model": str(draft)}
+    assert parse_speculative_config(base).draft_vocab == 100  # auto: the head's list
+    assert parse_speculative_config({**base, "draft_vocab": "full"}).draft_vocab == 0
+    assert parse_speculative_config({**base, "draft_vocab": 40}).draft_vocab == 40
+    assert (
+        parse_speculative_config({"method": "eagle", "model": str(models["draft"])}).draft_vocab
+        == 0
+    )
+    with pytest.raises(EagleConfigError, match="'draft_vocab': 101 is outside 1..100"):
+        parse_speculative_config({**base, "draft_vocab": 101})
+    with pytest.raises(EagleConfigError, match="'draft_vocab': unknown value 'most'"):
+        parse_speculative_config({**base, "draft_vocab": "most"})
+    with pytest.raises(EagleConfigError, match="lacks.*Fix: use 'full'.*--ce-vocab"):
+        parse_speculative_config(
+            {"method": "eagle", "model": str(models["draft"]), "draft_vocab": 8}
+        )
+    assert is_eagle_vllm_request({"method": "eagle", "draft_vocab": "full"})
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 2], [0, 99999], [], "nope"])
+def test_bad_draft_vocab_file(models, tmp_path, ids):
+    from eagle_vllm.models.checkpoint import DraftCheckpointError
+
+    draft = _with_draft_vocab(models, tmp_path, ids)
+    with pytest.raises(DraftCheckpointError, match="draft_vocab.json"):
+        parse_speculative_config({"method": "eagle", "model": str(draft)})
