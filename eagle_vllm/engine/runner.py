@@ -35,6 +35,7 @@ from eagle_vllm.attention.tree_batch import TreeBatch
 from eagle_vllm.config import ADDITIONAL_CONFIG_KEY, EagleSpecConfig
 from eagle_vllm.engine.proposer import EagleTreeProposer
 from eagle_vllm.engine.sampler import ExactRejectionSampler
+from eagle_vllm.engine.timing import StepTimings
 from eagle_vllm.verify import chain_parents
 
 
@@ -52,6 +53,7 @@ class EagleRunnerMixin:
     def _install_eagle(self, device_context) -> None:
         self.eagle_config = eagle_config_of(self.vllm_config)
         self.tree_batch = None
+        self.timings = StepTimings()
         if self.eagle_config is None or self.speculative_config is None:
             return
         with device_context():
@@ -63,6 +65,15 @@ class EagleRunnerMixin:
     @property
     def _uses_trees(self) -> bool:
         return self.eagle_config is not None and self.eagle_config.topk > 1
+
+    # -- timing (benchmarks read it through the worker's eagle_vllm_timings RPC) --
+    def execute_model(self, *args, **kwargs):
+        with self.timings.phase("execute_model"):
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        with self.timings.phase("sample_tokens"):
+            return super().sample_tokens(*args, **kwargs)
 
     # -- step 1: positions ---------------------------------------------------
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -119,10 +130,11 @@ class EagleRunnerMixin:
 
     # -- step 2: target forward with tree masks ----------------------------
     def _model_forward(self, *args, **kwargs):
-        if self.tree_batch is None:
-            return super()._model_forward(*args, **kwargs)
-        with verifying_trees(self.tree_batch):
-            return super()._model_forward(*args, **kwargs)
+        with self.timings.phase("target_forward"):
+            if self.tree_batch is None:
+                return super()._model_forward(*args, **kwargs)
+            with verifying_trees(self.tree_batch):
+                return super()._model_forward(*args, **kwargs)
 
     # -- step 3: verification parents, then KV compaction --------------------
     def _tree_parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -138,9 +150,11 @@ class EagleRunnerMixin:
         return parents
 
     def _sample(self, logits, spec_decode_metadata):
-        out = super()._sample(logits, spec_decode_metadata)
+        with self.timings.phase("verify"):
+            out = super()._sample(logits, spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:
-            self._compact_kv(self.rejection_sampler.last_accepted_nodes)
+            with self.timings.phase("kv_compaction"):
+                self._compact_kv(self.rejection_sampler.last_accepted_nodes)
         return out
 
     def _compact_kv(self, accepted_nodes: torch.Tensor) -> None:
@@ -161,12 +175,18 @@ class EagleRunnerMixin:
     # -- step 4: drafting from the accepted path -----------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):  # fmt: skip
-        tb = self.tree_batch
-        if tb is not None:
-            hidden_states = self._accepted_path_as_chain(tb, hidden_states)
-        return super().propose_draft_token_ids(
-            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs
-        )
+        with self.timings.phase("draft"):
+            tb = self.tree_batch
+            if tb is not None:
+                hidden_states = self._accepted_path_as_chain(tb, hidden_states)
+            return super().propose_draft_token_ids(
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                *args,
+                **kwargs,
+            )
 
     def _accepted_path_as_chain(self, tb: TreeBatch, hidden_states: torch.Tensor) -> torch.Tensor:
         """Reorder each tree's rows to [root, accepted path..., the rest] and make positions

@@ -7,6 +7,9 @@ the plugin's config sets; vLLM keeps an explicit ``worker_cls`` on CPU and CUDA.
   module-global name (no hook in 0.32), so the name is swapped for the
   duration of the call.
 * CUDA: ``Worker._make_model_runner`` is the official hook.
+
+Both add ``eagle_vllm_timings``, reachable with
+``LLM.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})``.
 """
 
 from __future__ import annotations
@@ -14,12 +17,19 @@ from __future__ import annotations
 from vllm.platforms import current_platform
 
 
+class _TimingsRPC:
+    def eagle_vllm_timings(self, reset: bool = False) -> dict:
+        """Seconds and calls per runner phase since the last reset (see engine/timing.py)."""
+        timings = getattr(self.model_runner, "timings", None)
+        return {} if timings is None else timings.snapshot(reset)
+
+
 def _cpu_worker_cls():
     import vllm.v1.worker.cpu_worker as cpu_worker
 
     from eagle_vllm.engine.runner import EagleCPUModelRunner
 
-    class EagleCPUWorker(cpu_worker.CPUWorker):
+    class EagleCPUWorker(_TimingsRPC, cpu_worker.CPUWorker):
         def init_device(self):
             from eagle_vllm.attention import cpu_backend
 
@@ -39,7 +49,7 @@ def _gpu_worker_cls():
 
     from eagle_vllm.engine.runner import EagleGPUModelRunner
 
-    class EagleGPUWorker(Worker):
+    class EagleGPUWorker(_TimingsRPC, Worker):
         def _make_model_runner(self):
             if self.use_v2_model_runner:
                 raise RuntimeError(

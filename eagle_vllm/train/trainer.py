@@ -373,10 +373,14 @@ class Trainer:
             # the CE's token subset, ranked by frequency: the head's reduced draft vocabulary
             from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
 
-            (self.out / DRAFT_VOCAB_FILE).write_text(json.dumps({
-                "token_ids": self.vocab_ids.tolist(),
-                "ranked_by": "assistant-token frequency in the training data",
-            }))
+            (self.out / DRAFT_VOCAB_FILE).write_text(
+                json.dumps(
+                    {
+                        "token_ids": self.vocab_ids.tolist(),
+                        "ranked_by": "assistant-token frequency in the training data",
+                    }
+                )
+            )
         return self.out
 
 

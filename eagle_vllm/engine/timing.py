@@ -1,0 +1,42 @@
+"""Wall-clock split of the runner's steps: drafting, target forward, verification, the rest.
+
+The runner times its phases into one ``StepTimings`` per worker; benchmarks
+read it through ``LLM.collective_rpc("eagle_vllm_timings")``. On CPU every
+phase is synchronous, so wall-clock time is the phase's cost; on GPU a phase
+is timed only up to its last kernel launch unless ``synchronize`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import torch
+
+
+class StepTimings:
+    def __init__(self, synchronize: bool = False):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.synchronize = synchronize and torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.synchronize:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.synchronize:
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+
+    def snapshot(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        out = {k: {"seconds": v, "calls": self.calls[k]} for k, v in self.seconds.items()}
+        if reset:
+            self.seconds.clear()
+            self.calls.clear()
+        return out
