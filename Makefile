@@ -47,6 +47,6 @@ reference-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REF_HEAD) \
 		--data sharegpt --num-conversations 1000 --max-len 1024 \
-		--max-steps 1000 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
+		--max-steps 600 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
 		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise uniform --noise-scale 0.1 \
 		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(REF_HEAD).log

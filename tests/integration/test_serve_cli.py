@@ -6,6 +6,7 @@ script is broken by its distribution name); `eagle-vllm serve` is the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,22 +54,17 @@ def _hf_greedy(target: Path, prompt: str, n: int) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    cfg_dir = tmp_path_factory.mktemp("cfg")
-    cfg = cfg_dir / "eagle.yaml"
-    # relative draft path: resolved against the YAML's folder
-    rel = os.path.relpath(tiny["draft_noisy"], cfg_dir)
-    cfg.write_text(f"method: eagle\nmodel: {rel}\nnum_speculative_tokens: 3\n")
+@contextlib.contextmanager
+def _serve(target: Path, log_dir: Path, extra: list[str]):
     port = _free_port()
     vllm_cmd = Path(sys.executable).parent / "vllm"
-    log = open(cfg_dir / "server.log", "w")
+    log = open(log_dir / "server.log", "w")
     proc = subprocess.Popen(
-        [str(vllm_cmd), "serve", str(tiny["target"]), "--speculative-config", str(cfg),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--enforce-eager", "--max-model-len", "512"],
+        [str(vllm_cmd), "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+    cfg_dir = log_dir
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 240
@@ -90,6 +86,17 @@ def server(tiny, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    cfg_dir = tmp_path_factory.mktemp("cfg")
+    cfg = cfg_dir / "eagle.yaml"
+    # relative draft path: resolved against the YAML's folder
+    rel = os.path.relpath(tiny["draft_noisy"], cfg_dir)
+    cfg.write_text(f"method: eagle\nmodel: {rel}\nnum_speculative_tokens: 3\n")
+    with _serve(tiny["target"], cfg_dir, ["--speculative-config", str(cfg)]) as base:
+        yield base
 
 
 def test_served_greedy_completions_equal_the_target(server, tiny):
