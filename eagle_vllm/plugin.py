@@ -8,6 +8,8 @@ pass-throughs unless a config is meant for eagle_vllm (a file path, method
 ``eagle2`` or an eagle_vllm-only key); plain ``{"method": "eagle"}`` stays
 vLLM's built-in EAGLE. Worker-side hooks are installed only by the plugin's
 ``worker_cls``, which only an eagle_vllm config selects.
+On the CPU platform only, it also lets ``distributed_executor_backend="ray"``
+run (``eagle_vllm.ray_cpu``; vLLM 0.32 refuses Ray on CPU).
 
 Written against vLLM 0.32 (vllm/engine/arg_utils.py).
 """
@@ -34,6 +36,10 @@ def register() -> None:
             ARCHITECTURE, "eagle_vllm.models.eagle_llama:EagleVllmLlamaForCausalLM"
         )
     _patch_engine_args()
+
+    from eagle_vllm import ray_cpu
+
+    ray_cpu.install()  # no-op unless the platform is CPU
 
 
 def _patch_engine_args() -> None:

@@ -45,6 +45,22 @@ def eagle_config_of(vllm_config) -> EagleSpecConfig | None:
     return None if data is None else EagleSpecConfig.from_dict(data)
 
 
+def _needs_chain_verification(params) -> bool:
+    """vLLM conditions penalties, bad words and grammars on the drafts read as a chain
+    (each draft position sees the drafts before it). A tree request with any of them
+    is therefore verified as a chain over its flattened tree: still exact (any draft
+    sequence can be verified), and its first drafts are the tree's best nodes."""
+    if params is None:
+        return False
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.bad_words_token_ids
+        or params.structured_outputs is not None
+    )
+
+
 class EagleRunnerMixin:
     """Installs the plugin's drafter and verifier; handles tree-shaped verification."""
 
@@ -101,6 +117,8 @@ class EagleRunnerMixin:
             tree_parents = tree_parents[: k + 1]
             if bool((tree_parents[1:] == torch.arange(k)).all()):
                 continue  # a chain: causal attention and no compaction needed
+            if _needs_chain_verification(self.requests[req_id].sampling_params):
+                continue  # its drafts, in tree order, are verified as a chain
             row = self.input_batch.req_id_to_index[req_id]
             rows.append(row)
             roots.append(int(query_start[row + 1]) - k - 1)

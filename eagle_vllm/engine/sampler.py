@@ -96,12 +96,9 @@ class ExactRejectionSampler(RejectionSampler):
         draft_ids = metadata.draft_token_ids.to("cpu", torch.int64)
         tokens[:, 1:][valid[:, :max_drafts]] = draft_ids
         tokens[:, 0] = 0
+        # Requests with penalties, bad words or grammars are never trees here: the
+        # runner verifies them as chains (runner._needs_chain_verification).
         parents = self._parents(num_nodes, max_drafts + 1)
-        if not sampling_metadata.no_penalties or sampling_metadata.bad_words_token_ids:
-            # vLLM conditions penalties/bad words on the drafts as a chain; only
-            # the root's row is right for a tree, so tree requests verify no drafts.
-            is_tree = (parents != chain_parents(num_nodes, max_drafts + 1)).any(dim=1)
-            num_nodes = torch.where(is_tree, 1, num_nodes)
 
         is_greedy = sampling_metadata.temperature is None or sampling_metadata.all_greedy
         if is_greedy:
@@ -141,6 +138,31 @@ class ExactRejectionSampler(RejectionSampler):
             accepted[idx] = res.accepted_nodes
         self.last_accepted_nodes = accepted
         return output.to(device)
+
+    def _get_logprobs_tensors(
+        self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids
+    ):
+        """vLLM's version reads output position i from draft row i, which holds for a
+        chain only. In a tree, output position i follows accepted node ``path[i-1]``
+        (position 0 follows the root), so its logprobs come from that node's row."""
+        path = self.last_accepted_nodes
+        width = sampled_token_ids.shape[-1]
+        device = logits.device
+        starts = metadata.cu_num_sampled_tokens.to(device) - torch.tensor(
+            [n + 1 for n in metadata.num_draft_tokens], device=device
+        )
+        node = torch.arange(width, device=device)[None, :].repeat(starts.shape[0], 1)
+        if path is not None and path.shape[1] > 0:
+            node[:, 1:] = path[:, : width - 1].to(device).clamp(min=0)
+        final_logits = torch.zeros_like(logits, dtype=torch.float32)
+        final_logits[metadata.target_logits_indices] = target_logits.to(torch.float32)
+        final_logits[metadata.bonus_logits_indices] = bonus_logits.to(torch.float32)
+        rows = (starts[:, None] + node).flatten().clamp_(max=final_logits.shape[0] - 1)
+        tokens = sampled_token_ids.clone().flatten()
+        tokens[tokens == PLACEHOLDER_TOKEN_ID] = 0  # rejected slots; dropped by parse_output
+        chosen = final_logits[rows]
+        logprobs = chosen if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(chosen)
+        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens.to(torch.int64))
 
     def _parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
         if self.tree_source is not None:

@@ -1,0 +1,167 @@
+"""Requests that must be exact with speculation on (EAGLE-2 trees), or refused clearly.
+
+Each case runs on vanilla vLLM and on eagle-vllm ``eagle2`` (fp32, tiny models)
+and compares: max_tokens=1, prompts at max_model_len, n>1, seeds, logprobs and
+prompt_logprobs (the target's), penalties, structured output, an empty prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ENGINE_KW, shutdown, spec_metrics
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [" ".join(f"w{(11 * i + 3 * j) % 250}" for i in range(4 + 5 * j)) for j in range(6)]
+LONG = " ".join(f"w{(5 * i + 3) % 250}" for i in range(509))  # + BOS = 510 of 512
+
+
+def _cases():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    g = dict(temperature=0, ignore_eos=True)
+    return {
+        "max_tokens_1": (PROMPTS, SamplingParams(max_tokens=1, **g)),
+        "at_max_model_len": ([LONG], SamplingParams(max_tokens=16, **g)),
+        "logprobs": (PROMPTS, SamplingParams(max_tokens=24, logprobs=3, **g)),
+        "prompt_logprobs": (PROMPTS[:3], SamplingParams(max_tokens=4, prompt_logprobs=2, **g)),
+        "penalties": (
+            PROMPTS,
+            SamplingParams(max_tokens=32, repetition_penalty=1.5, presence_penalty=0.5, **g),
+        ),  # fmt: skip
+        "mixed_penalty_batch": (
+            PROMPTS,
+            [
+                SamplingParams(max_tokens=32, frequency_penalty=0.8 * (i % 2), **g)
+                for i in range(len(PROMPTS))
+            ],
+        ),  # fmt: skip
+        "structured_regex": (
+            PROMPTS[:3],
+            SamplingParams(
+                max_tokens=12,
+                structured_outputs=StructuredOutputsParams(regex=r"(w1|w2|w3)+"),
+                temperature=0,
+            ),
+        ),  # fmt: skip
+    }
+
+
+def _run(llm) -> dict:
+    out = {}
+    for name, (prompts, params) in _cases().items():
+        res = llm.generate(prompts, params, use_tqdm=False)
+        out[name] = [
+            {
+                "tokens": [list(c.token_ids) for c in r.outputs],
+                "logprobs": [c.logprobs for c in r.outputs],
+                "prompt_logprobs": r.prompt_logprobs,
+                "finish": [c.finish_reason for c in r.outputs],
+            }
+            for r in res
+        ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny):
+    import vllm
+
+    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
+    out = _run(llm)
+    shutdown(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tree_llm(tiny, vanilla):
+    from eagle_vllm import LLM
+
+    spec = {"method": "eagle2", "model": str(tiny["draft_noisy"]), "num_speculative_tokens": 3,
+            "topk": 3, "total_tokens": 8}  # fmt: skip
+    llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def tree(tree_llm):
+    return _run(tree_llm)
+
+
+@pytest.mark.parametrize("case", ["max_tokens_1", "at_max_model_len", "penalties",
+                                  "mixed_penalty_batch", "structured_regex"])  # fmt: skip
+def test_tokens_equal_vanilla(vanilla, tree, case):
+    assert [r["tokens"] for r in tree[case]] == [r["tokens"] for r in vanilla[case]]
+    assert [r["finish"] for r in tree[case]] == [r["finish"] for r in vanilla[case]]
+
+
+def test_at_max_model_len_stops_by_length(tree):
+    (r,) = tree["at_max_model_len"]
+    assert r["finish"] == ["length"] and 1 <= len(r["tokens"][0]) < 16  # capped by the model length
+
+
+def test_penalised_requests_still_speculate(tree_llm):
+    """Requests with penalties are verified as chains (vLLM conditions penalties on a
+    chain), not refused: drafts are still accepted."""
+    from vllm import SamplingParams
+
+    before = spec_metrics(tree_llm)["num_accepted_tokens"]
+    tree_llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0,
+                                              repetition_penalty=1.2), use_tqdm=False)  # fmt: skip
+    assert spec_metrics(tree_llm)["num_accepted_tokens"] > before
+
+
+def _close_logprobs(a, b):
+    """Same token ids with logprobs within fp32 noise, position by position."""
+    assert len(a) == len(b)
+    for pa, pb in zip(a, b):
+        if pa is None or pb is None:
+            assert pa is pb
+            continue
+        assert set(pa) == set(pb)
+        for tok in pa:
+            assert pa[tok].logprob == pytest.approx(pb[tok].logprob, abs=1e-3)
+
+
+def test_logprobs_are_the_targets(vanilla, tree):
+    for mine, theirs in zip(tree["logprobs"], vanilla["logprobs"]):
+        assert mine["tokens"] == theirs["tokens"]
+        _close_logprobs(mine["logprobs"][0], theirs["logprobs"][0])
+
+
+def test_prompt_logprobs_are_the_targets(vanilla, tree):
+    for mine, theirs in zip(tree["prompt_logprobs"], vanilla["prompt_logprobs"]):
+        _close_logprobs(mine["prompt_logprobs"], theirs["prompt_logprobs"])
+
+
+def test_n_greater_than_one_returns_distinct_samples(tree_llm):
+    """n > 1 with a seed: n complete samples per prompt, not copies of one.
+
+    Known gap (see the sampling issue's note): repeating a seeded request is not
+    always token-identical with speculation, because the verifier consumes a
+    request's random stream per verified node, so where steps end (which depends
+    on the drafts) shifts later draws. The distribution is exact either way
+    (tests/statistical)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    distinct = []
+    for r in tree_llm.generate(PROMPTS[:3], params, use_tqdm=False):
+        samples = [tuple(c.token_ids) for c in r.outputs]
+        assert len(samples) == 3 and all(len(s) == 24 for s in samples)
+        distinct.append(len(set(samples)))
+    assert max(distinct) > 1, distinct  # the tiny target is peaked: some prompts coincide
+
+
+def test_too_long_and_empty_prompts_are_refused(tree_llm):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMError
+
+    with pytest.raises(
+        (ValueError, VLLMError), match="(?i)max.model.len|maximum model length|too long"
+    ):
+        tree_llm.generate([LONG + " w1 w2 w3"], SamplingParams(max_tokens=4))
+    with pytest.raises((ValueError, VLLMError), match="(?i)empty|prompt"):
+        tree_llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4))
