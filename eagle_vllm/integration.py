@@ -56,20 +56,27 @@ def resolve(
 def apply_to_engine_args(engine_args) -> None:
     """Rewrite ``EngineArgs`` in place when its speculative config is eagle_vllm's."""
     extra = engine_args.additional_config or {}
-    if isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra:
-        return  # already resolved (e.g. by eagle_vllm.LLM)
-    kwargs = resolve(
-        engine_args.speculative_config,
-        target=engine_args.model,
-        max_model_len=engine_args.max_model_len,
-    )
-    if kwargs is None:
-        return
-    if engine_args.worker_cls not in ("auto", kwargs["worker_cls"]):
-        raise EagleConfigError(
-            f"worker_cls '{engine_args.worker_cls}' conflicts with eagle_vllm, which "
-            f"needs '{kwargs['worker_cls']}'. Fix: leave worker_cls unset."
+    if not (isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra):
+        kwargs = resolve(
+            engine_args.speculative_config,
+            target=engine_args.model,
+            max_model_len=engine_args.max_model_len,
         )
-    engine_args.speculative_config = kwargs["speculative_config"]
-    engine_args.additional_config = {**extra, **kwargs["additional_config"]}
-    engine_args.worker_cls = kwargs["worker_cls"]
+        if kwargs is None:
+            return
+        if engine_args.worker_cls not in ("auto", kwargs["worker_cls"]):
+            raise EagleConfigError(
+                f"worker_cls '{engine_args.worker_cls}' conflicts with eagle_vllm, which "
+                f"needs '{kwargs['worker_cls']}'. Fix: leave worker_cls unset."
+            )
+        engine_args.speculative_config = kwargs["speculative_config"]
+        engine_args.additional_config = {**extra, **kwargs["additional_config"]}
+        engine_args.worker_cls = kwargs["worker_cls"]
+    if (getattr(engine_args, "pipeline_parallel_size", 1) or 1) > 1:
+        # vLLM 0.32 drafts on the last pipeline rank only (gpu_model_runner.py), while
+        # tree verification needs every rank to know the tree. See docs/multi-node.md.
+        raise EagleConfigError(
+            f"pipeline_parallel_size {engine_args.pipeline_parallel_size} is not supported "
+            "with eagle_vllm. Fix: use tensor parallelism (--tensor-parallel-size) across "
+            "GPUs and nodes, with pipeline_parallel_size 1."
+        )

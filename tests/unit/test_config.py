@@ -602,3 +602,15 @@ def test_bad_draft_vocab_file(models, tmp_path, ids):
     draft = _with_draft_vocab(models, tmp_path, ids)
     with pytest.raises(DraftCheckpointError, match="draft_vocab.json"):
         parse_speculative_config({"method": "eagle", "model": str(draft)})
+
+
+def test_pipeline_parallelism_is_refused(models, tmp_path):
+    d, t = str(models["draft"]), str(models["target"])
+    f = tmp_path / "spec.yaml"
+    f.write_text(f"method: eagle2\nmodel: {d}\n")
+    args = _engine_args(speculative_config=str(f), model=t, pipeline_parallel_size=2)
+    with pytest.raises(EagleConfigError, match="pipeline_parallel_size 2.*Fix: use tensor"):
+        apply_to_engine_args(args)
+    # other engines are not ours to judge
+    args = _engine_args(speculative_config=None, model=t, pipeline_parallel_size=2)
+    apply_to_engine_args(args)
