@@ -75,7 +75,11 @@ class EagleRunnerMixin:
         with device_context():
             self.drafter = EagleTreeProposer(self.vllm_config, self.device, self, self.eagle_config)
         self.rejection_sampler = ExactRejectionSampler(
-            self.sampler, self.speculative_config, self.device, tree_source=self._tree_parents
+            self.sampler,
+            self.speculative_config,
+            self.device,
+            tree_source=self._tree_parents,
+            position_source=lambda: self.positions,
         )
 
     @property
@@ -168,12 +172,36 @@ class EagleRunnerMixin:
         return parents
 
     def _sample(self, logits, spec_decode_metadata):
-        with self.timings.phase("verify"):
+        with (
+            self.timings.phase("verify"),
+            self._position_keyed_plain_sampling(spec_decode_metadata),
+        ):
             out = super()._sample(logits, spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:
             with self.timings.phase("kv_compaction"):
                 self._compact_kv(self.rejection_sampler.last_accepted_nodes)
         return out
+
+    @contextlib.contextmanager
+    def _position_keyed_plain_sampling(self, spec_decode_metadata):
+        """A step without drafts samples with vLLM's sampler alone; seeded requests
+        then draw from a generator keyed by the sampled token's position, like the
+        verifier does (see ExactRejectionSampler), so seeds reproduce."""
+        metadata = self.input_batch.sampling_metadata
+        if spec_decode_metadata is not None or not metadata.generators:
+            yield
+            return
+        from eagle_vllm.engine.sampler import position_keyed_generators
+
+        n = self.input_batch.num_reqs
+        last = self.query_start_loc.cpu[1 : n + 1].to(torch.int64) - 1
+        positions = self.positions.to("cpu", torch.int64)[last] + 1
+        original = metadata.generators
+        metadata.generators = position_keyed_generators(original, positions)
+        try:
+            yield
+        finally:
+            metadata.generators = original
 
     def _compact_kv(self, accepted_nodes: torch.Tensor) -> None:
         """Move accepted node i's K/V to the slot of position root+i, in every target layer."""

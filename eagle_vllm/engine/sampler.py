@@ -26,13 +26,24 @@ from vllm.v1.sample.rejection_sampler import (
 )
 
 from eagle_vllm.verify import chain_parents, deterministic_tree_verify, greedy_verify
+from eagle_vllm.verify.position_rng import (
+    DOMAIN_SAMPLER,
+    position_exponentials,
+    position_generator,
+)
 
 
 class ExactRejectionSampler(RejectionSampler):
     """Verifies drafts as trees (a chain is a tree) with exact rules."""
 
-    def __init__(self, sampler, spec_config=None, device=None, tree_source=None):
+    def __init__(
+        self, sampler, spec_config=None, device=None, tree_source=None, position_source=None
+    ):
         super().__init__(sampler, spec_config, device)
+        # Callable() -> positions [num_tokens] of this step's scheduled tokens (tree rows
+        # at root + depth). Seeded requests key their random draws by sequence position
+        # (verify/position_rng.py) so that the same seed gives the same output.
+        self.position_source = position_source
         # Callable(num_nodes [B], width) -> parents [B, width], or None for chains.
         # Set by the runner when trees are verified.
         self.tree_source = tree_source
@@ -41,9 +52,18 @@ class ExactRejectionSampler(RejectionSampler):
         self.last_accepted_nodes: torch.Tensor | None = None
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        row_positions = self._row_positions(metadata, sampling_metadata)
+        bonus_metadata = replace(sampling_metadata, max_num_logprobs=-1)
+        if row_positions is not None:
+            # the bonus token lands right after its row's token
+            bonus_pos = row_positions[metadata.bonus_logits_indices.to("cpu")] + 1
+            bonus_metadata = replace(
+                bonus_metadata,
+                generators=position_keyed_generators(sampling_metadata.generators, bonus_pos),
+            )
         bonus_out = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            sampling_metadata=bonus_metadata,
             predict_bonus_token=True,
             logprobs_mode_override="processed_logits"
             if self.is_processed_logprobs_mode
@@ -59,7 +79,9 @@ class ExactRejectionSampler(RejectionSampler):
         target_logits = apply_sampling_constraints(
             target_logits, metadata.num_draft_tokens, sampling_metadata
         )
-        output_token_ids = self.verify(metadata, target_logits, bonus_tokens, sampling_metadata)
+        output_token_ids = self.verify(
+            metadata, target_logits, bonus_tokens, sampling_metadata, row_positions
+        )
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -73,7 +95,16 @@ class ExactRejectionSampler(RejectionSampler):
             )
         return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=logprobs_tensors)
 
-    def verify(self, metadata, target_logits, bonus_tokens, sampling_metadata) -> torch.Tensor:
+    def _row_positions(self, metadata, sampling_metadata) -> torch.Tensor | None:
+        """Sequence position of each logits row's token, when some request is seeded."""
+        if not sampling_metadata.generators or self.position_source is None:
+            return None
+        positions = self.position_source()
+        return positions[metadata.logits_indices.to(positions.device)].to("cpu", torch.int64)
+
+    def verify(
+        self, metadata, target_logits, bonus_tokens, sampling_metadata, row_positions=None
+    ) -> torch.Tensor:
         """Per request: walk the draft tree, return ``[path tokens..., final token, -1...]``."""
         num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64)
         batch = num_drafts.shape[0]
@@ -131,8 +162,30 @@ class ExactRejectionSampler(RejectionSampler):
             probs[torch.arange(idx.numel()), leaf[idx]] = 0.0
             probs[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 1.0
             generators = [sampling_metadata.generators.get(int(i)) for i in idx]
+            exponentials = None
+            if row_positions is not None and any(g is not None for g in generators):
+                # logits row start_b + j holds node j; node j's draw decides the token at
+                # (its position + 1), with the same Exp(1) values vLLM's sampler would use
+                sampled_starts = torch.cumsum(num_nodes, 0) - num_nodes
+                node_rows = (sampled_starts[:, None] + offsets[None, :]).clamp(
+                    max=row_positions.numel() - 1
+                )
+                node_pos = row_positions[node_rows] + 1
+                exponentials = torch.empty(idx.numel(), max_drafts + 1, vocab)
+                for k, (b, g) in enumerate(zip(idx.tolist(), generators)):
+                    if g is None:
+                        exponentials[k].exponential_()
+                    else:
+                        exponentials[k] = position_exponentials(
+                            g.initial_seed(), node_pos[b], vocab, device=g.device
+                        ).to("cpu")
             res = deterministic_tree_verify(
-                tokens[idx], parents[idx], num_nodes[idx], probs, generators=generators
+                tokens[idx],
+                parents[idx],
+                num_nodes[idx],
+                probs,
+                generators=generators,
+                exponentials=exponentials,
             )
             output[idx] = res.output_tokens
             accepted[idx] = res.accepted_nodes
@@ -170,6 +223,14 @@ class ExactRejectionSampler(RejectionSampler):
             if parents is not None:
                 return parents
         return chain_parents(num_nodes, width)
+
+
+def position_keyed_generators(generators: dict, positions: torch.Tensor) -> dict:
+    """Request b's generator replaced by one seeded from (its seed, positions[b])."""
+    return {
+        b: position_generator(g.initial_seed(), int(positions[b]), DOMAIN_SAMPLER, g.device)
+        for b, g in generators.items()
+    }
 
 
 def apply_sampling_constraints(

@@ -154,6 +154,7 @@ def deterministic_tree_verify(
     num_nodes: Tensor,
     target_probs: Tensor,
     generators: Generators = None,
+    exponentials: Tensor | None = None,
 ) -> VerifyResult:
     """Exact verification of candidates that do not depend on the verifier's randomness
     (top-k / argmax drafts, EAGLE-2 dynamic trees; sampled drafts are fine too).
@@ -165,9 +166,21 @@ def deterministic_tree_verify(
     sibling x with p(x), else zero it out and renormalise") at thresholds 1.
 
     The draw at node ``u`` uses uniform ``u`` of the request (see module docstring).
+    With ``exponentials [B, N, V]`` (i.i.d. Exp(1) per node, e.g. keyed by sequence
+    position, see ``position_rng``) it is instead the exponential race
+    ``argmax(p_u / E_u)``, an exact draw from ``p_u``, and exactly the draw vLLM's own
+    sampler makes from the same Exp(1) values.
     """
     _check_tree_inputs(tokens, parents, num_nodes, target_probs)
     B, N = tokens.shape
+    if exponentials is not None:
+
+        def choose(cur: Tensor) -> Tensor:
+            rows = _gather_rows(target_probs, cur).clamp_min(0.0)
+            return (rows / _gather_rows(exponentials, cur).to(rows.dtype)).argmax(dim=-1)
+
+        return _walk_tree(tokens, parents, num_nodes, choose)
+
     u = draw_uniforms(generators, num_nodes, N, target_probs.device)
 
     def choose(cur: Tensor) -> Tensor:
