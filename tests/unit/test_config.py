@@ -614,3 +614,15 @@ def test_pipeline_parallelism_is_refused(models, tmp_path):
     # other engines are not ours to judge
     args = _engine_args(speculative_config=None, model=t, pipeline_parallel_size=2)
     apply_to_engine_args(args)
+
+
+@pytest.mark.parametrize("name", ["eagle.yaml", "eagle2.yaml"])
+def test_shipped_configs_load_the_committed_reference_head(name):
+    """configs/*.yaml point at heads/smollm2-135m-instruct-eagle, which is in the repo."""
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = parse_speculative_config(root / "configs" / name)
+    info = inspect_draft_checkpoint(cfg.model)
+    assert info.hidden_size == 576 and info.vocab_size == 49152 and not info.fc_bias
+    assert cfg.draft_vocab == info.draft_vocab_size == 16384
