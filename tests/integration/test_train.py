@@ -128,38 +128,37 @@ def test_train_tiny_head_loss_falls_and_loads_in_vllm(chat_target, tmp_path):
         )
     )
     out = tmp_path / "head"
-    train_main(
-        [
-            "--target",
-            str(chat_target),
-            "--out",
-            str(out),
-            "--data",
-            str(data),
-            "--num-conversations",
-            "48",
-            "--max-steps",
-            "60",
-            "--lr",
-            "3e-3",
-            "--warmup-steps",
-            "5",
-            "--tokens-per-batch",
-            "512",
-            "--eval-every",
-            "30",
-            "--log-every",
-            "1",
-            "--save-every",
-            "30",
-            "--feature-dtype",
-            "float32",
-            "--export-dtype",
-            "float32",
-            "--val-fraction",
-            "0.1",
-        ]
-    )
+    args = [
+        "--target",
+        str(chat_target),
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--num-conversations",
+        "48",
+        "--max-steps",
+        "60",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--tokens-per-batch",
+        "512",
+        "--eval-every",
+        "30",
+        "--log-every",
+        "1",
+        "--save-every",
+        "30",
+        "--feature-dtype",
+        "float32",
+        "--export-dtype",
+        "float32",
+        "--val-fraction",
+        "0.1",
+    ]
+    train_main(args)
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     first, last = log[0], log[-1]
     assert last["step"] == 60
@@ -171,38 +170,7 @@ def test_train_tiny_head_loss_falls_and_loads_in_vllm(chat_target, tmp_path):
     assert not info.fc_bias and info.num_layers == 1
 
     # Resuming after the end is a no-op that keeps the step count.
-    train_main(
-        [
-            "--target",
-            str(chat_target),
-            "--out",
-            str(out),
-            "--data",
-            str(data),
-            "--num-conversations",
-            "48",
-            "--max-steps",
-            "60",
-            "--lr",
-            "3e-3",
-            "--warmup-steps",
-            "5",
-            "--tokens-per-batch",
-            "512",
-            "--eval-every",
-            "30",
-            "--log-every",
-            "1",
-            "--save-every",
-            "30",
-            "--feature-dtype",
-            "float32",
-            "--export-dtype",
-            "float32",
-            "--val-fraction",
-            "0.1",
-        ]
-    )
+    train_main(args)
     assert json.loads((out / "config.json").read_text())["eagle_vllm"]["trained_steps"] == 60
 
     held_out = [{"prompt_token_ids": [4 + rng.randrange(250) for _ in range(8)]} for _ in range(6)]
