@@ -1,0 +1,51 @@
+"""Quick tau check: 8 MT-bench first turns, batch 8, T=0, 96 tokens, bf16 SmolLM2.
+
+    .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle num_speculative_tokens=3
+    .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle2 num_speculative_tokens=4 topk=4 total_tokens=16
+
+Prints tau = 1 + accepted/drafts and per-depth acceptance from vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+    from eagle_vllm.datasets import mtbench_prompts
+
+    spec: dict = {"method": sys.argv[2], "model": sys.argv[1]}
+    for kv in sys.argv[3:]:
+        k, v = kv.split("=")
+        spec[k] = int(v) if v.isdigit() else v
+    llm = LLM("models/SmolLM2-135M-Instruct", speculative_config=spec, dtype="bfloat16",
+              enforce_eager=True, max_model_len=2048, disable_log_stats=False)  # fmt: skip
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in mtbench_prompts()[:8]
+    ]
+    start = time.time()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)
+    m = {
+        x.name: (x.values if hasattr(x, "values") else x.value)
+        for x in llm.get_metrics()
+        if x.name.startswith("vllm:spec_decode")
+    }
+    drafts = m["vllm:spec_decode_num_drafts"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = [round(x / drafts, 2) for x in m["vllm:spec_decode_num_accepted_tokens_per_pos"]]
+    print(spec, "tau", round(1 + accepted / drafts, 3), "per_pos", per_pos,
+          "time", round(time.time() - start, 1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
