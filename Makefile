@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint reference-head
+.PHONY: setup test test-slow lint reference-head ablation-head
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -50,3 +50,14 @@ reference-head:
 		--max-steps 600 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
 		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise uniform --noise-scale 0.1 \
 		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(REF_HEAD).log
+
+# The noise ablation: the reference head's exact recipe without feature noise, on the
+# same cached features (train with 1 thread so it can run beside other work).
+ABLATION_HEAD := heads/ablation-nonoise
+ablation-head:
+	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(ABLATION_HEAD) \
+		--features-dir $(REF_HEAD)/features --threads $(or $(THREADS),0) \
+		--data sharegpt --num-conversations 1000 --max-len 1024 \
+		--max-steps 600 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
+		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise none \
+		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(ABLATION_HEAD).log

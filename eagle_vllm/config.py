@@ -66,6 +66,9 @@ class EagleSpecConfig:
     draft_sample_method: str = "greedy"
     # Draft over the N most frequent tokens (0: the full vocabulary). See draft_vocab key.
     draft_vocab: int = 0
+    # total_tokens: auto. Each step's tree (draft passes and nodes, possibly none) is
+    # chosen by eagle_vllm/sizing.py; num_speculative_tokens and total_tokens are the maxima.
+    auto_size: bool = False
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -101,7 +104,8 @@ _ALLOWED_KEYS = {
     "model": (str, os.PathLike),
     "num_speculative_tokens": (int,),
     "topk": (int,),
-    "total_tokens": (int,),
+    "total_tokens": (int, str),  # N, or "auto" (load-aware sizing, eagle_vllm/sizing.py)
+    "max_total_tokens": (int,),  # the largest tree "auto" may pick
     "draft_sample_method": (str,),
     # "auto": the head's draft_vocab.json if it has one; "full"; or N most frequent
     "draft_vocab": (str, int),
@@ -223,6 +227,21 @@ def parse_speculative_config(
             "use an EAGLE checkpoint folder (SafeAILab layout or eagle-vllm train output)",
         )
 
+    auto_size = data.get("total_tokens") == "auto"
+    if isinstance(data.get("total_tokens"), str) and not auto_size:
+        raise _fail(
+            "total_tokens", f"unknown value '{data['total_tokens']}'", "use a number or 'auto'"
+        )
+    if "max_total_tokens" in data and not auto_size:
+        raise _fail(
+            "max_total_tokens",
+            "only applies to total_tokens: auto",
+            "drop it, or set total_tokens: auto",
+        )
+    if auto_size:
+        data.pop("total_tokens")
+        if "max_total_tokens" in data:
+            data["total_tokens"] = data.pop("max_total_tokens")
     values = {**DEFAULTS[method], **{k: v for k, v in data.items() if k in _ALLOWED_KEYS}}
     depth = values["num_speculative_tokens"]
     topk = values["topk"]
@@ -253,10 +272,14 @@ def parse_speculative_config(
             else min(values["total_tokens"], max_nodes)
         )
         if total < 2:
-            raise _fail("total_tokens", f"{total} is below 2", "use 2 or more (root + 1 draft)")
+            raise _fail(
+                "max_total_tokens" if auto_size else "total_tokens",
+                f"{total} is below 2",
+                "use 2 or more (root + 1 draft)",
+            )
         if total > max_nodes:
             raise _fail(
-                "total_tokens",
+                "max_total_tokens" if auto_size else "total_tokens",
                 f"{total} exceeds the {max_nodes} nodes that depth {depth} with "
                 f"topk {topk} can draft",
                 f"use total_tokens <= {max_nodes}, or raise topk/num_speculative_tokens",
@@ -286,6 +309,7 @@ def parse_speculative_config(
         topk=topk,
         total_tokens=total,
         draft_sample_method=values["draft_sample_method"],
+        auto_size=auto_size,
         source=source,
     )
     if target is not None:
@@ -376,5 +400,6 @@ def is_eagle_vllm_request(spec: Any) -> bool:
             return True
         if spec.get("method") == "eagle2":
             return True
-        return bool({"topk", "total_tokens", "draft_sample_method", "draft_vocab"} & set(spec))
+        plugin_only = {"topk", "total_tokens", "max_total_tokens", "draft_sample_method"}
+        return bool((plugin_only | {"draft_vocab"}) & set(spec))
     return False

@@ -16,6 +16,9 @@ One code path serves both methods; a chain is a tree with ``topk = 1``.
 3. **Rerank** to ``total_tokens`` nodes; the flat node tokens (parents first)
    are handed to vLLM's scheduler as this request's draft tokens.
 
+With ``total_tokens: auto`` the runner's ``TreeSizer`` (``sizing.py``) picks each
+step's number of passes and nodes, possibly none: then only the first pass runs.
+
 Touches vLLM 0.32 internals: ``EagleProposer`` first-pass helpers
 (``set_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
 ``build_model_inputs_first_pass``), ``set_forward_context``, and the draft
@@ -95,6 +98,8 @@ class EagleTreeProposer(EagleProposer):
         self.eagle_config = eagle_config
         self.last_drafts: DraftedTrees | None = None
         self._runner = runner
+        # (draft passes, tree nodes) of the last propose, for the runner's sizer
+        self.last_size: tuple[int, int] = (0, 1)
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -175,9 +180,13 @@ class EagleTreeProposer(EagleProposer):
             out = self.model(**model_kwargs)
         last_hidden, hidden = out if self.model_returns_tuple() else (out, out)
 
-        num_drafts = int(num_speculative_tokens)
+        depth, total_tokens = self._runner.choose_tree_size(batch_size)
+        total_tokens = min(total_tokens, int(num_speculative_tokens) + 1)
+        self.last_size = (depth, total_tokens)
+        num_drafts = total_tokens - 1
         req_ids = list(self._runner.input_batch.req_ids[:batch_size])
-        if num_drafts == 0:
+        if num_drafts <= 0 or depth == 0:
+            self.last_size = (0, 1)
             self.last_drafts = None
             return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
 
@@ -190,7 +199,8 @@ class EagleTreeProposer(EagleProposer):
             root_logits=root_logits,
             root_positions=root_positions,
             block_table=cad.block_table_tensor[:batch_size],
-            total_tokens=min(self.eagle_config.total_tokens, num_drafts + 1),
+            total_tokens=total_tokens,
+            depth=depth,
         )
         self.last_drafts = DraftedTrees(req_ids=req_ids, tree=tree)
         drafts = tree.tokens[:, 1 : num_drafts + 1]
@@ -207,13 +217,15 @@ class EagleTreeProposer(EagleProposer):
         root_positions: torch.Tensor,
         block_table: torch.Tensor,
         total_tokens: int,
+        depth: int,
     ) -> DraftTree:
-        """Expand and rerank a tree per request, starting from the root's draft output."""
+        """Expand (``depth`` draft passes) and rerank a tree per request, from the root's
+        draft output."""
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
-        builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, cfg.num_speculative_tokens)
+        builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
         builder.step(torch.log_softmax(root_logits.float(), dim=-1)[:, None, :])
-        if cfg.num_speculative_tokens == 1:
+        if depth == 1:
             return builder.finalize(pad_to=total_tokens)
 
         layers = self._draft_layers()
@@ -231,7 +243,7 @@ class EagleTreeProposer(EagleProposer):
         node_hidden = root_hidden[:, None, :]
         node_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=root_hidden.device)
         with _swapped_attention(layers, shims):
-            for depth in range(1, cfg.num_speculative_tokens):
+            for step in range(1, depth):
                 frontier = builder.frontier()
                 width = frontier.tokens.shape[1]
                 parent_rows = frontier.parent_frontier_index.clamp(min=0)
@@ -247,7 +259,7 @@ class EagleTreeProposer(EagleProposer):
                 node_mask = torch.cat([inherited, own[None].expand(batch, -1, -1)], dim=2)
                 for shim in shims:
                     shim.mask = node_mask
-                positions = (root_positions[:, None] + depth).clamp(max=max_position)
+                positions = (root_positions[:, None] + step).clamp(max=max_position)
                 x = self.model.combine_features(
                     frontier.tokens.clamp(min=0).reshape(-1),
                     parent_hidden.reshape(batch * width, -1),

@@ -19,6 +19,10 @@ and, when trees are drafted (``topk > 1``), wraps five runner methods:
 * ``propose_draft_token_ids``: the drafter's first pass sees the accepted path
   as a chain (rows reordered, positions linear again).
 
+With ``total_tokens: auto`` the runner also feeds a ``TreeSizer`` (``sizing.py``):
+the wall time of each step's phases and which tree nodes were accepted; the
+drafter asks it for the next step's tree size (``choose_tree_size``).
+
 Scheduling, batching, KV allocation, bookkeeping and metrics stay vLLM's.
 """
 
@@ -36,6 +40,7 @@ from eagle_vllm.config import ADDITIONAL_CONFIG_KEY, EagleSpecConfig
 from eagle_vllm.engine.proposer import EagleTreeProposer
 from eagle_vllm.engine.sampler import ExactRejectionSampler
 from eagle_vllm.engine.timing import StepTimings
+from eagle_vllm.sizing import TreeSizer
 from eagle_vllm.verify import chain_parents
 
 
@@ -65,13 +70,19 @@ class EagleRunnerMixin:
     """Installs the plugin's drafter and verifier; handles tree-shaped verification."""
 
     tree_batch: TreeBatch | None = None
+    sizer: TreeSizer | None = None
 
     def _install_eagle(self, device_context) -> None:
         self.eagle_config = eagle_config_of(self.vllm_config)
         self.tree_batch = None
         self.timings = StepTimings()
+        self.sizer = None
+        self._step_clock: dict[str, float] = {}
         if self.eagle_config is None or self.speculative_config is None:
             return
+        cfg = self.eagle_config
+        if cfg.auto_size:
+            self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens)
         with device_context():
             self.drafter = EagleTreeProposer(self.vllm_config, self.device, self, self.eagle_config)
         self.rejection_sampler = ExactRejectionSampler(
@@ -87,13 +98,67 @@ class EagleRunnerMixin:
         return self.eagle_config is not None and self.eagle_config.topk > 1
 
     # -- timing (benchmarks read it through the worker's eagle_vllm_timings RPC) --
-    def execute_model(self, *args, **kwargs):
-        with self.timings.phase("execute_model"):
-            return super().execute_model(*args, **kwargs)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._step_clock = {"verified_nodes": 1, "decode_only": _decode_only(scheduler_output)}
+        with self.timings.phase("execute_model") as clock:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        self._step_clock["execute_model"] = clock.seconds
+        return out
 
     def sample_tokens(self, *args, **kwargs):
-        with self.timings.phase("sample_tokens"):
-            return super().sample_tokens(*args, **kwargs)
+        with self.timings.phase("sample_tokens") as clock:
+            out = super().sample_tokens(*args, **kwargs)
+        self._observe_step_costs(clock.seconds)
+        return out
+
+    # -- load-aware sizing (total_tokens: auto) --------------------------------
+    def choose_tree_size(self, batch_size: int) -> tuple[int, int]:
+        """(draft passes, tree nodes) for the next step; the config's maxima unless auto."""
+        cfg = self.eagle_config
+        if self.sizer is None:
+            return cfg.num_speculative_tokens, cfg.total_tokens
+        choice = self.sizer.choose(batch_size)
+        if self.parallel_config.tensor_parallel_size > 1:
+            # Timings differ between ranks; every rank must draft the same tree.
+            from vllm.distributed import get_tp_group
+
+            choice = tuple(get_tp_group().broadcast_object(choice, src=0))
+        return choice
+
+    def _observe_step_costs(self, sample_seconds: float) -> None:
+        clock, sizer = self._step_clock, self.sizer
+        if sizer is None or "execute_model" not in clock or "draft" not in clock:
+            return
+        batch = self.input_batch.num_reqs
+        sizer.observe_draft(batch, self.drafter.last_size[0], clock["draft"])
+        if clock["decode_only"]:  # a prefill chunk would be charged to the tree
+            verify = clock["execute_model"] + sample_seconds - clock["draft"]
+            sizer.observe_verify(batch, clock["verified_nodes"], verify)
+
+    def _observe_acceptance(self, metadata) -> None:
+        """Which node of each verified tree was accepted, for the sizer's acceptance rates."""
+        num_nodes = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64) + 1
+        self._step_clock["verified_nodes"] = int(num_nodes.max())
+        batch, width = num_nodes.shape[0], int(num_nodes.max())
+        node = torch.arange(width)
+        valid = node[None, :] < num_nodes[:, None]
+        depths = node[None, :].repeat(batch, 1)
+        drafted = self.drafter.drafted_trees()
+        for row, req_id in enumerate(self.input_batch.req_ids[:batch]):
+            tree = drafted.get(req_id)
+            params = self.requests[req_id].sampling_params
+            if tree is None or (self._uses_trees and _needs_chain_verification(params)):
+                valid[row] = False  # not verified as the tree it was drafted as
+                continue
+            n = min(width, tree[2].shape[0])
+            depths[row, :n] = tree[2][:n].cpu()
+        accepted = torch.zeros(batch, width + 1, dtype=torch.bool)
+        path = self.rejection_sampler.last_accepted_nodes
+        if path is not None and path.numel():
+            rows = torch.arange(batch)[:, None].expand_as(path)
+            hit = path >= 0
+            accepted[rows[hit], path[hit].clamp(max=width)] = True
+        self.sizer.observe_acceptance(depths, valid, accepted[:, :width])
 
     # -- step 1: positions ---------------------------------------------------
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -177,6 +242,8 @@ class EagleRunnerMixin:
             self._position_keyed_plain_sampling(spec_decode_metadata),
         ):
             out = super()._sample(logits, spec_decode_metadata)
+        if self.sizer is not None and spec_decode_metadata is not None:
+            self._observe_acceptance(spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:
             with self.timings.phase("kv_compaction"):
                 self._compact_kv(self.rejection_sampler.last_accepted_nodes)
@@ -221,11 +288,11 @@ class EagleRunnerMixin:
     # -- step 4: drafting from the accepted path -----------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):  # fmt: skip
-        with self.timings.phase("draft"):
+        with self.timings.phase("draft") as clock:
             tb = self.tree_batch
             if tb is not None:
                 hidden_states = self._accepted_path_as_chain(tb, hidden_states)
-            return super().propose_draft_token_ids(
+            out = super().propose_draft_token_ids(
                 scheduler_output,
                 sampled_token_ids,
                 sampling_metadata,
@@ -233,6 +300,8 @@ class EagleRunnerMixin:
                 *args,
                 **kwargs,
             )
+        self._step_clock["draft"] = clock.seconds
+        return out
 
     def _accepted_path_as_chain(self, tb: TreeBatch, hidden_states: torch.Tensor) -> torch.Tensor:
         """Reorder each tree's rows to [root, accepted path..., the rest] and make positions
@@ -258,6 +327,15 @@ class EagleRunnerMixin:
         offsets = torch.arange(width)[None, :].expand_as(order)
         self.positions[dst] = (tb.root_pos[:, None] + offsets)[valid]
         return hidden_states
+
+
+def _decode_only(scheduler_output) -> bool:
+    """Whether every scheduled token is a request's last token or one of its drafts."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return all(
+        n == 1 + len(spec.get(req_id, ()))
+        for req_id, n in scheduler_output.num_scheduled_tokens.items()
+    )
 
 
 class EagleCPUModelRunner(EagleRunnerMixin, CPUModelRunner):

@@ -15,6 +15,10 @@ from collections import defaultdict
 import torch
 
 
+class _Clock:
+    seconds: float = 0.0
+
+
 class StepTimings:
     def __init__(self, synchronize: bool = False):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -23,15 +27,18 @@ class StepTimings:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        """Time a phase; the yielded clock's ``seconds`` is set when the phase ends."""
         if self.synchronize:
             torch.cuda.synchronize()
+        clock = _Clock()
         start = time.perf_counter()
         try:
-            yield
+            yield clock
         finally:
             if self.synchronize:
                 torch.cuda.synchronize()
-            self.seconds[name] += time.perf_counter() - start
+            clock.seconds = time.perf_counter() - start
+            self.seconds[name] += clock.seconds
             self.calls[name] += 1
 
     def snapshot(self, reset: bool = False) -> dict[str, dict[str, float]]:

@@ -9,7 +9,8 @@ the plugin's config sets; vLLM keeps an explicit ``worker_cls`` on CPU and CUDA.
 * CUDA: ``Worker._make_model_runner`` is the official hook.
 
 Both add ``eagle_vllm_timings``, reachable with
-``LLM.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})``.
+``LLM.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})``, and
+``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class _TimingsRPC:
         """Seconds and calls per runner phase since the last reset (see engine/timing.py)."""
         timings = getattr(self.model_runner, "timings", None)
         return {} if timings is None else timings.snapshot(reset)
+
+    def eagle_vllm_sizing(self) -> dict:
+        """The load-aware sizer's measurements and recent choices ({} unless total_tokens: auto)."""
+        sizer = getattr(self.model_runner, "sizer", None)
+        if sizer is None:
+            return {}
+        return {**sizer.table(), "history": [list(h) for h in sizer.history]}
 
 
 def _cpu_worker_cls():

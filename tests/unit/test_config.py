@@ -626,3 +626,53 @@ def test_shipped_configs_load_the_committed_reference_head(name):
     info = inspect_draft_checkpoint(cfg.model)
     assert info.hidden_size == 576 and info.vocab_size == 49152 and not info.fc_bias
     assert cfg.draft_vocab == info.draft_vocab_size == 16384
+
+
+# --------------------------------------------------------------------------
+# total_tokens: auto (load-aware sizing)
+# --------------------------------------------------------------------------
+def test_total_tokens_auto(models):
+    d = str(models["draft"])
+    cfg = parse_speculative_config(
+        {"method": "eagle2", "model": d, "num_speculative_tokens": 3, "total_tokens": "auto"}
+    )
+    assert cfg.auto_size and cfg.total_tokens == DEFAULTS["eagle2"]["total_tokens"]
+    assert cfg.num_draft_slots == cfg.total_tokens - 1  # vLLM reserves the largest tree
+    cfg = parse_speculative_config(
+        {"method": "eagle2", "model": d, "total_tokens": "auto", "max_total_tokens": 24}
+    )
+    assert cfg.auto_size and cfg.total_tokens == 24
+    chain = parse_speculative_config({"method": "eagle", "model": d, "total_tokens": "auto"})
+    assert chain.auto_size and chain.total_tokens == chain.num_speculative_tokens + 1
+    fixed = parse_speculative_config({"method": "eagle2", "model": d, "total_tokens": 8})
+    assert not fixed.auto_size
+    assert is_eagle_vllm_request({"method": "eagle", "max_total_tokens": 8})
+
+
+def test_total_tokens_auto_bad_values(models):
+    d = str(models["draft"])
+    msg = parse_err({"method": "eagle2", "model": d, "total_tokens": "big"}, "total_tokens")
+    assert "auto" in msg
+    msg = parse_err(
+        {"method": "eagle2", "model": d, "total_tokens": 8, "max_total_tokens": 12},
+        "max_total_tokens",
+    )
+    assert "total_tokens: auto" in msg
+    msg = parse_err(
+        {
+            "method": "eagle2",
+            "model": d,
+            "num_speculative_tokens": 2,
+            "topk": 2,
+            "total_tokens": "auto",
+            "max_total_tokens": 50,
+        },
+        "max_total_tokens",
+    )
+    assert "exceeds" in msg
+
+
+def test_shipped_auto_config_parses():
+    root = Path(__file__).resolve().parents[2]
+    cfg = parse_speculative_config(root / "configs" / "eagle2-auto.yaml")
+    assert cfg.auto_size and cfg.method == "eagle2" and cfg.total_tokens >= 8

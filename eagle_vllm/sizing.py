@@ -1,0 +1,213 @@
+"""Load-aware tree sizing (``total_tokens: auto``): pick each step's tree from measurements.
+
+Pure Python/torch, no vLLM imports; the runner feeds it and asks it once per step.
+
+A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plus
+``m - 1`` drafts) yields, per request, ``E(d, m)`` tokens and costs
+``verify(B, m) + draft(B, d)`` seconds at batch size ``B``. The sizer picks the
+``(d, m)`` that maximises tokens per second, ``E / cost``:
+
+* ``E(d, m) = 1 + sum_j rate_d[j]`` over the first ``m - 1`` nodes of the tree
+  restricted to depth <= ``d``. Trees come in rank order (every prefix is the best
+  smaller tree, ``tree/builder.py``), and a node's acceptance depends only on its
+  own path, so ``rate_d[j]`` (how often the j-th node is accepted) is measured
+  from every verified tree, for every depth limit at once. Acceptance does not
+  depend on load, so it is shared by all batch sizes.
+* ``verify(B, m)`` (the whole step except drafting: target forward, verification,
+  KV compaction, vLLM's bookkeeping) and ``draft(B, d)`` (the drafter's passes)
+  are wall-clock measurements on the running hardware, kept per power-of-two
+  batch-size bucket as the median of the last few samples (robust to a stray
+  slow step: a garbage collection, another tenant). Arms never measured in a
+  bucket are tried once (warm-up); afterwards the stalest arm is re-measured
+  every ``explore_every`` steps, so the table follows the machine.
+
+``(0, 1)`` is always a candidate: no drafts this step (the drafter still runs
+its first pass, which keeps the draft KV complete). As the batch grows, the
+verify cost of extra tokens rises and the chosen tree shrinks, down to none.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+OFF = (0, 1)  # (draft passes, tree nodes): no speculation this step
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket of a batch size (1, 2, 4, 8, ...)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
+
+
+def candidate_sizes(depth: int, topk: int, max_nodes: int) -> list[tuple[int, int]]:
+    """The (draft passes, tree nodes) arms: off, then every depth with a few tree sizes."""
+    arms = [OFF]
+    for d in range(1, depth + 1):
+        reachable = 1 + topk + (d - 1) * topk * topk  # nodes depth d can draft
+        top = min(max_nodes, reachable)
+        low = 2 if d == 1 else min(top, d + 1)  # a tree of depth d needs d + 1 nodes
+        sizes = {top, low}
+        m = low
+        while m < top:  # geometric steps between the chain and the full tree
+            sizes.add(m)
+            m = max(m + 1, int(m * 1.5))
+        arms += [(d, m) for m in sorted(sizes)]
+    return arms
+
+
+class _Samples:
+    """The last few wall-clock samples of one cost; its value is their median."""
+
+    def __init__(self, window: int):
+        self.samples: deque[float] = deque(maxlen=window)
+        self.last_step = -1
+
+    def add(self, seconds: float, step: int) -> None:
+        self.samples.append(seconds)
+        self.last_step = step
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples)
+
+
+@dataclass
+class AcceptanceStats:
+    """How often the j-th node of a rank-ordered tree, cut at depth d, is accepted."""
+
+    depth: int
+    max_nodes: int
+    decay: float = 0.995
+    # prior: one pseudo-observation with this rate, so an unseen node is worth trying
+    prior_rate: float = 0.5
+    hits: torch.Tensor = field(init=False)
+    trials: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.depth + 1, self.max_nodes)
+        self.hits = torch.full(shape, self.prior_rate, dtype=torch.float64)
+        self.trials = torch.ones(shape, dtype=torch.float64)
+
+    def update(self, depths: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One verified step. ``[R, W]`` per request and node (node 0 = root):
+        node depths, which nodes were verified, which were accepted."""
+        if depths.numel() == 0:
+            return
+        depths, valid, accepted = depths.cpu(), valid.cpu(), accepted.cpu()
+        self.hits *= self.decay
+        self.trials *= self.decay
+        drafted = valid.clone()
+        drafted[:, 0] = False  # the root is not a draft
+        deepest = int(depths[drafted].max()) if drafted.any() else 0
+        for d in range(1, self.depth + 1):
+            keep = drafted & (depths <= d)
+            if d > deepest and not keep.any():
+                break
+            # j-th kept node (1-based: the root is node 0)
+            j = torch.cumsum(keep.to(torch.int64), dim=1)[keep]
+            j = j.clamp(max=self.max_nodes - 1)
+            self.trials[d].index_add_(0, j, torch.ones_like(j, dtype=torch.float64))
+            self.hits[d].index_add_(0, j, accepted[keep].to(torch.float64))
+
+    def rates(self, d: int) -> torch.Tensor:
+        return self.hits[d] / self.trials[d]
+
+    def expected_tokens(self, d: int, m: int) -> float:
+        """Tokens a request gains per step with ``d`` passes and an ``m``-node tree."""
+        if d == 0 or m <= 1:
+            return 1.0
+        return 1.0 + float(self.rates(d)[1:m].sum())
+
+
+class TreeSizer:
+    """Chooses each step's (draft passes, tree nodes) from measured costs and acceptance."""
+
+    def __init__(
+        self,
+        depth: int,
+        topk: int,
+        max_nodes: int,
+        explore_every: int = 32,
+        window: int = 9,
+    ):
+        self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        self.arms = candidate_sizes(depth, topk, max_nodes)
+        self.acceptance = AcceptanceStats(depth, max_nodes)
+        self.explore_every = explore_every
+        self.window = window
+        self.verify_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, nodes) -> seconds
+        self.draft_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, passes) -> seconds
+        self.steps = 0
+        self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
+
+    # -- measurements ------------------------------------------------------
+    def observe_verify(self, batch_size: int, nodes: int, seconds: float) -> None:
+        key = (batch_bucket(batch_size), nodes)
+        self.verify_cost.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
+
+    def observe_draft(self, batch_size: int, passes: int, seconds: float) -> None:
+        key = (batch_bucket(batch_size), passes)
+        self.draft_cost.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
+
+    def observe_acceptance(self, depths, valid, accepted) -> None:
+        self.acceptance.update(depths, valid, accepted)
+
+    # -- the decision --------------------------------------------------------
+    def _cost(self, bucket: int, arm: tuple[int, int]) -> float | None:
+        v = self.verify_cost.get((bucket, arm[1]))
+        d = self.draft_cost.get((bucket, arm[0]))
+        if v is None or d is None:
+            return None
+        return v.value + d.value
+
+    def throughput(self, batch_size: int, arm: tuple[int, int]) -> float | None:
+        """Predicted tokens per second of one request at this batch size (None: unmeasured)."""
+        cost = self._cost(batch_bucket(batch_size), arm)
+        if cost is None:
+            return None
+        return self.acceptance.expected_tokens(*arm) / max(cost, 1e-9)
+
+    def choose(self, batch_size: int) -> tuple[int, int]:
+        """(draft passes, tree nodes) for the next step of ``batch_size`` requests."""
+        self.steps += 1
+        bucket = batch_bucket(batch_size)
+        arm = self._unmeasured(bucket)
+        if arm is None and self.steps % self.explore_every == 0:
+            arm = self._stalest(bucket)
+        if arm is None:
+            arm = max(self.arms, key=lambda a: (self.throughput(batch_size, a), -a[1], -a[0]))
+        self.history.append((batch_size, *arm))
+        del self.history[:-4096]
+        return arm
+
+    def _unmeasured(self, bucket: int) -> tuple[int, int] | None:
+        for arm in self.arms:
+            if (bucket, arm[1]) not in self.verify_cost or (bucket, arm[0]) not in self.draft_cost:
+                return arm
+        return None
+
+    def _stalest(self, bucket: int) -> tuple[int, int]:
+        def age(arm):
+            v = self.verify_cost[(bucket, arm[1])].last_step
+            d = self.draft_cost[(bucket, arm[0])].last_step
+            return min(v, d)
+
+        return min(self.arms, key=age)
+
+    def table(self) -> dict:
+        """The current measurements and predictions, for logs and benchmarks."""
+        buckets = sorted({b for b, _ in self.verify_cost} | {b for b, _ in self.draft_cost})
+        out = {"arms": [list(a) for a in self.arms], "buckets": {}}
+        for b in buckets:
+            out["buckets"][b] = {
+                f"{d},{m}": {
+                    "expected_tokens": round(self.acceptance.expected_tokens(d, m), 3),
+                    "seconds": None if (c := self._cost(b, (d, m))) is None else round(c, 5),
+                }
+                for d, m in self.arms
+            }
+        return out

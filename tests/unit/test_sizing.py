@@ -1,0 +1,125 @@
+"""Load-aware sizing (eagle_vllm/sizing.py) against simulated hardware and drafts."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_vllm.sizing import OFF, AcceptanceStats, TreeSizer, batch_bucket, candidate_sizes
+
+
+def test_candidate_sizes_cover_off_chain_and_full_tree():
+    arms = candidate_sizes(depth=3, topk=4, max_nodes=8)
+    assert arms[0] == OFF
+    assert (1, 2) in arms and (3, 8) in arms and (2, 8) in arms
+    for d, m in arms[1:]:
+        assert m <= 1 + 4 + (d - 1) * 16 and m <= 8 and m >= 2
+        assert m >= d + 1 or d == 1
+    # a chain: one arm per depth, d passes verify d + 1 nodes
+    assert candidate_sizes(depth=4, topk=1, max_nodes=5) == [OFF, (1, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_batch_bucket():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 17, 64)] == [1, 2, 4, 4, 8, 32, 64]
+
+
+def test_acceptance_rates_per_depth_limit():
+    stats = AcceptanceStats(depth=2, max_nodes=4, decay=1.0, prior_rate=0.0)
+    # one tree: root, a (depth 1), b (depth 2, child of a), c (depth 1); a and b accepted
+    depths = torch.tensor([[0, 1, 2, 1]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    accepted = torch.tensor([[False, True, True, False]])
+    for _ in range(3):
+        stats.update(depths, valid, accepted)
+    # depth <= 2 keeps a, b, c in rank order; depth <= 1 keeps a, c
+    assert torch.allclose(stats.rates(2)[1:], torch.tensor([0.75, 0.75, 0.0], dtype=torch.float64))
+    assert torch.allclose(stats.rates(1)[1:3], torch.tensor([0.75, 0.0], dtype=torch.float64))
+    assert abs(stats.expected_tokens(2, 3) - 2.5) < 1e-9
+    assert stats.expected_tokens(0, 4) == 1.0
+
+
+class SimulatedEngine:
+    """Costs and acceptance of a made-up machine: verifying extra tokens is cheap at batch 1
+    and expensive at large batches; a draft pass costs a fixed share of a step."""
+
+    def __init__(self, rate: float, draft_pass: float, per_token: float, base: float = 1.0):
+        self.rate, self.draft_pass, self.per_token, self.base = rate, draft_pass, per_token, base
+
+    def verify_seconds(self, batch: int, nodes: int) -> float:
+        return self.base + self.per_token * batch * (nodes - 1)
+
+    def draft_seconds(self, batch: int, passes: int) -> float:
+        return 0.05 + self.draft_pass * passes * (1 + 0.02 * batch)
+
+    def accepted(self, batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
+        """A chain-shaped tree: node i is accepted if all its ancestors are, w.p. rate each."""
+        ok = torch.rand(batch, nodes, generator=gen) < self.rate
+        ok[:, 0] = True
+        return torch.cumprod(ok.to(torch.int64), dim=1).bool()
+
+    def tokens_per_second(self, batch: int, arm) -> float:
+        d, m = arm
+        expected = 1 + sum(self.rate**i for i in range(1, m)) if d else 1.0
+        return expected / (self.verify_seconds(batch, m) + self.draft_seconds(batch, d))
+
+
+def run(sizer: TreeSizer, engine: SimulatedEngine, batch: int, steps: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    last_nodes = 1
+    for _ in range(steps):
+        sizer.observe_verify(batch, last_nodes, engine.verify_seconds(batch, last_nodes))
+        d, m = sizer.choose(batch)
+        sizer.observe_draft(batch, d, engine.draft_seconds(batch, d))
+        if d:
+            depths = torch.arange(m)[None, :].repeat(batch, 1)  # chain-shaped trees
+            valid = torch.ones(batch, m, dtype=torch.bool)
+            sizer.observe_acceptance(depths, valid, engine.accepted(batch, m, gen))
+        last_nodes = m
+    return sizer.history[-50:]
+
+
+def best_arm(engine, batch, arms):
+    return max(arms, key=lambda a: engine.tokens_per_second(batch, a))
+
+
+def test_picks_the_fastest_arm_and_shrinks_with_load():
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
+    chosen = {}
+    for batch in (1, 4, 16, 64):
+        sizer = TreeSizer(depth=4, topk=1, max_nodes=5, explore_every=1000)
+        history = run(sizer, engine, batch, steps=400)
+        arms = [tuple(h[1:]) for h in history]
+        chosen[batch] = max(set(arms), key=arms.count)
+        truth = best_arm(engine, batch, sizer.arms)
+        # within 3% of the true optimum's throughput
+        assert engine.tokens_per_second(batch, chosen[batch]) >= 0.97 * engine.tokens_per_second(
+            batch, truth
+        ), (batch, chosen[batch], truth)
+    sizes = [chosen[b][1] for b in (1, 4, 16, 64)]
+    assert sizes == sorted(sizes, reverse=True), chosen  # the tree shrinks as load grows
+    assert chosen[1][1] >= 4  # cheap verification, good drafts: a long chain at batch 1
+    assert chosen[64] == OFF  # verifying drafts for 64 requests costs more than it gains
+
+
+def test_switches_off_when_drafts_are_never_accepted_and_back_on_when_they_are():
+    engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.01)
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    history = run(sizer, engine, batch=1, steps=300)
+    arms = [tuple(h[1:]) for h in history]
+    assert arms.count(OFF) >= 45  # off except for the periodic re-measurement
+    engine.rate = 0.9  # the workload turns predictable (e.g. code)
+    history = run(sizer, engine, batch=1, steps=600, seed=1)
+    arms = [tuple(h[1:]) for h in history]
+    assert max(set(arms), key=arms.count) == (3, 4)
+
+
+def test_measurements_follow_the_machine():
+    """A slower verify (e.g. another tenant) is picked up by the moving averages."""
+    engine = SimulatedEngine(rate=0.6, draft_pass=0.02, per_token=0.001)
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=8)
+    history = run(sizer, engine, batch=8, steps=200)
+    arms = [tuple(h[1:]) for h in history]
+    assert max(set(arms), key=arms.count) != OFF
+    engine.per_token = 1.0
+    history = run(sizer, engine, batch=8, steps=400, seed=2)
+    arms = [tuple(h[1:]) for h in history]
+    assert max(set(arms), key=arms.count) == OFF
