@@ -173,3 +173,45 @@ def build_draft(
     else:
         save_file(weights, str(path / "model.safetensors"))
     return path
+
+
+def build_lora(path: Path, target: Path, rank: int = 8, scale: float = 0.3, seed: int = 0) -> Path:
+    """A PEFT-layout LoRA adapter for a tiny target (q/v/o/down projections), random and
+    large enough to change the target's greedy outputs."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * hidden // cfg["num_attention_heads"]
+    shapes = {  # module -> (in, out)
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.down_proj": (inter, hidden),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (d_in, d_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": rank,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "target_modules": [m.split(".")[-1] for m in shapes],
+                "base_model_name_or_path": str(target),
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+            }
+        )
+    )
+    return path

@@ -191,12 +191,12 @@ class EagleTreeProposer(EagleProposer):
             return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
 
         root_hidden = hidden[token_indices_to_sample]
-        root_logits = self.model.compute_logits(last_hidden[token_indices_to_sample])
+        root_last_hidden = last_hidden[token_indices_to_sample]  # the LM head runs in draft_tree
         root_positions = self.positions[token_indices_to_sample].to(torch.int64)
         tree = self.draft_tree(
             root_tokens=next_token_ids[:batch_size].to(torch.int64),
             root_hidden=root_hidden,
-            root_logits=root_logits,
+            root_last_hidden=root_last_hidden,
             root_positions=root_positions,
             block_table=cad.block_table_tensor[:batch_size],
             total_tokens=total_tokens,
@@ -213,7 +213,7 @@ class EagleTreeProposer(EagleProposer):
         self,
         root_tokens: torch.Tensor,
         root_hidden: torch.Tensor,
-        root_logits: torch.Tensor,
+        root_last_hidden: torch.Tensor,
         root_positions: torch.Tensor,
         block_table: torch.Tensor,
         total_tokens: int,
@@ -224,7 +224,7 @@ class EagleTreeProposer(EagleProposer):
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
         builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
-        builder.step(torch.log_softmax(root_logits.float(), dim=-1)[:, None, :])
+        builder.step(*self._draft_logprobs(root_last_hidden, 1))
         if depth == 1:
             return builder.finalize(pad_to=total_tokens)
 
@@ -268,10 +268,14 @@ class EagleTreeProposer(EagleProposer):
                 for layer in layers:
                     x, residual = layer(positions.reshape(-1), x, residual)
                 node_hidden = (x + residual).view(batch, width, -1)
-                logits = self.model.compute_logits(node_hidden.reshape(batch * width, -1))
-                logprobs = torch.log_softmax(logits.float(), dim=-1).view(batch, width, -1)
-                builder.step(logprobs)
+                builder.step(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
         return builder.finalize(pad_to=total_tokens)
+
+    def _draft_logprobs(self, hidden: torch.Tensor, width: int):
+        """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids."""
+        logits, token_ids = self.model.draft_logits(hidden)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.view(-1, width, logprobs.shape[-1]), token_ids
 
 
 @contextlib.contextmanager

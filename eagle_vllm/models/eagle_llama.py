@@ -57,6 +57,7 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
 
     draft_lm_head: torch.Tensor | None = None
     draft_vocab_ids: torch.Tensor | None = None
+    _draft_head_gemm = None
 
     def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft over ``token_ids`` only; the LM-head rows are copied (replicated on TP ranks)."""
@@ -73,16 +74,43 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
             rows = all_reduce(rows)  # each row is non-zero on exactly one rank
         self.draft_lm_head = rows
         self.draft_vocab_ids = ids
+        self._draft_head_gemm = _platform_gemm(rows)
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the drafting vocabulary and the token id of each column
+        (None: the full vocabulary, column = token id). Drafting only ranks tokens, so
+        the reduced vocabulary is never scattered back into a full-size row."""
+        if self.draft_lm_head is None:
+            return super().compute_logits(hidden_states), None
+        return self._draft_head_gemm(hidden_states), self.draft_vocab_ids
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if self.draft_lm_head is None:
-            return super().compute_logits(hidden_states)
-        sub = hidden_states @ self.draft_lm_head.T.to(hidden_states.dtype)
+        sub, ids = self.draft_logits(hidden_states)
+        if ids is None:
+            return sub
         logits = sub.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
-        logits[:, self.draft_vocab_ids] = sub
+        logits[:, ids] = sub
         return logits
 
     def combine_features(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(t); f]): the decoder input for a (token, feature) pair."""
-        embeds = self.model.embed_tokens(input_ids)
+        embed = self.model.embed_tokens  # shared with the target
+        # With LoRA on, vLLM 0.32 wraps it in VocabParallelEmbeddingWithLoRA, whose
+        # forward indexes the target step's token->adapter map; tree rows do not follow
+        # that layout. The head drafts with the base embedding (it was trained on it);
+        # drafts only need to be good, verification is with the adapter.
+        embeds = getattr(embed, "base_layer", embed)(input_ids)
         return self.model.fc(torch.cat((embeds, features), dim=-1))
+
+
+def _platform_gemm(weight: torch.Tensor):
+    """x -> x @ weight.T with the GEMM vLLM would pick for a linear layer on this platform
+    (on CPU: oneDNN, SGL or torch, by ISA and dtype; 0.32's dispatch_cpu_unquantized_gemm)."""
+    if weight.device.type != "cpu":
+        return lambda x: torch.nn.functional.linear(x, weight)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight, requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x.to(weight.dtype), holder.weight, None)

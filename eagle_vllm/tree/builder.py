@@ -187,12 +187,14 @@ class TreeBuilder:
     def frontier(self) -> Frontier:
         return self._frontier
 
-    def step(self, logprobs: Tensor) -> Frontier:
+    def step(self, logprobs: Tensor, token_ids: Tensor | None = None) -> Frontier:
         """Expand the current frontier with its children distributions.
 
         ``logprobs``: [B, w, V] log-softmax of the draft logits, row ``j`` for
         frontier node ``j``.  Any float dtype; top-k runs in that dtype and
-        scores are accumulated in float32.  Returns the next frontier.
+        scores are accumulated in float32.  ``token_ids``: [V] the token id of
+        each column when drafting over a reduced vocabulary (default: column j
+        is token j).  Returns the next frontier.
         """
         if self._steps >= self.depth:
             raise RuntimeError(f"TreeBuilder.step called more than depth={self.depth} times")
@@ -205,6 +207,8 @@ class TreeBuilder:
         dev = self.device
 
         vals, idx = torch.topk(logprobs, k, dim=-1)  # [B, w, k]
+        if token_ids is not None:
+            idx = token_ids.to(idx.device)[idx]
         vals = vals.float()
         vals = torch.where(torch.isnan(vals), float("-inf"), vals).clamp(max=0.0)
         # canonical sibling order: log-prob desc, then token id asc

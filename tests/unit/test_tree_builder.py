@@ -542,3 +542,24 @@ def test_nan_and_positive_logprobs_are_sanitised():
     check_tree(tree)
     assert tree.scores[0].tolist() == [0.0, 0.0, -1.0, NEG_INF]
     assert tree.tokens[0].tolist() == [0, 1, 2, 0]
+
+
+def test_reduced_vocabulary_columns_map_to_token_ids():
+    """Drafting over a token subset (draft_vocab) gives the tree that the full vocabulary
+    with -inf outside the subset gives."""
+    gen = torch.Generator().manual_seed(3)
+    batch, vocab, sub, topk, depth = 3, 50, 12, 3, 3
+    token_ids = torch.randperm(vocab, generator=gen)[:sub]
+    roots = torch.randint(0, vocab, (batch,), generator=gen)
+    full_b = TreeBuilder(roots, topk, 8, depth)
+    sub_b = TreeBuilder(roots, topk, 8, depth)
+    for _ in range(depth):
+        width = full_b.frontier().width
+        logits = torch.randn(batch, width, sub, generator=gen)
+        full = torch.full((batch, width, vocab), float("-inf"))
+        full[:, :, token_ids] = logits
+        full_b.step(torch.log_softmax(full, -1))
+        sub_b.step(torch.log_softmax(logits, -1), token_ids=token_ids)
+    a, b = full_b.finalize(), sub_b.finalize()
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert torch.isin(b.tokens[:, 1:], token_ids).all()
