@@ -24,13 +24,15 @@ KV_HEADS = 2
 INTERMEDIATE = 256
 
 
-def build_tokenizer(path: Path, words: int = VOCAB_WORDS) -> int:
+def build_tokenizer(path: Path, words: int = VOCAB_WORDS, extra: tuple[str, ...] = ()) -> int:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for i in range(words):
         vocab[f"w{i}"] = len(vocab)
+    for token in extra:  # e.g. JSON punctuation, for structured-output tests
+        vocab[token] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
@@ -73,13 +75,14 @@ def build_target(
     seed: int = 0,
     words: int = VOCAB_WORDS,
     lm_scale: float | None = None,
+    extra_tokens: tuple[str, ...] = (),
 ) -> Path:
     """``oracle``: o_proj/down_proj scaled by ``context`` (0 = next token depends
     only on the current token; small values add a little context dependence)."""
     from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = build_tokenizer(path, words)
+    vocab_size = build_tokenizer(path, words, extra_tokens)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_llama_config(vocab_size, layers)).float()
     with torch.no_grad():

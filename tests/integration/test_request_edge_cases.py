@@ -167,3 +167,57 @@ def test_too_long_and_empty_prompts_are_refused(tree_llm):
         tree_llm.generate([LONG + " w1 w2 w3"], SamplingParams(max_tokens=4))
     with pytest.raises((ValueError, VLLMError), match="(?i)empty|prompt"):
         tree_llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4))
+
+
+JSON_TOKENS = ("{", "}", '"', ":", ",", *"0123456789")
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"w1": {"type": "integer"}, "w7": {"type": "integer"}},
+    "required": ["w1", "w7"],
+    "additionalProperties": False,
+}
+
+
+def test_guided_json_equals_vanilla(tmp_path):
+    """Structured output with a JSON schema (xgrammar) through trees: the same tokens as
+    vanilla vLLM, and they spell an object of the schema. The tiny vocabulary gets JSON
+    punctuation and digits as whole tokens (a word-level tokenizer)."""
+    import json
+
+    import vllm
+    from tiny_models import build_draft, build_target
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from eagle_vllm import LLM
+
+    target = build_target(tmp_path / "t", oracle=True, context=0.002, extra_tokens=JSON_TOKENS)
+    oracle = build_target(tmp_path / "o", oracle=True, extra_tokens=JSON_TOKENS)
+    draft = build_draft(tmp_path / "d", oracle, kind="oracle", noise=0.002, attn_noise=0.03)
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0,
+        structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA),
+    )
+    results = []
+    for build in (
+        lambda: vllm.LLM(str(target), **ENGINE_KW),
+        lambda: LLM(str(target), speculative_config={"method": "eagle2", "model": str(draft),
+                    "num_speculative_tokens": 3, "topk": 3, "total_tokens": 8}, **ENGINE_KW),
+    ):  # fmt: skip
+        llm = build()
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        tok = llm.get_tokenizer()
+        results.append(
+            [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+        )
+        shutdown(llm)
+    assert results[0] == results[1]
+    parsed = 0
+    for token_ids, finish in results[1]:
+        text = "".join(tok.convert_ids_to_tokens(token_ids)).removesuffix("</s>")
+        if finish == "stop":
+            assert set(json.loads(text)) == {"w1", "w7"}, text
+            parsed += 1
+    assert parsed >= 1, results[1]  # at least one object completed within max_tokens
+
