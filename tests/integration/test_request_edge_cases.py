@@ -208,9 +208,7 @@ def test_guided_json_equals_vanilla(tmp_path):
         llm = build()
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         tok = llm.get_tokenizer()
-        results.append(
-            [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
-        )
+        results.append([(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs])
         shutdown(llm)
     assert results[0] == results[1]
     parsed = 0
@@ -220,4 +218,3 @@ def test_guided_json_equals_vanilla(tmp_path):
             assert set(json.loads(text)) == {"w1", "w7"}, text
             parsed += 1
     assert parsed >= 1, results[1]  # at least one object completed within max_tokens
-
