@@ -37,6 +37,11 @@ def _cases():
                 for i in range(len(PROMPTS))
             ],
         ),  # fmt: skip
+        # a built-in logits processor acting on the target rows the verifier reads
+        "min_tokens": (
+            PROMPTS[:3],
+            SamplingParams(max_tokens=24, min_tokens=12, temperature=0),
+        ),  # fmt: skip
         "structured_regex": (
             PROMPTS[:3],
             SamplingParams(
@@ -91,7 +96,8 @@ def tree(tree_llm):
 
 
 @pytest.mark.parametrize("case", ["max_tokens_1", "at_max_model_len", "penalties",
-                                  "mixed_penalty_batch", "structured_regex"])  # fmt: skip
+                                  "mixed_penalty_batch", "structured_regex",
+                                  "min_tokens"])  # fmt: skip
 def test_tokens_equal_vanilla(vanilla, tree, case):
     assert [r["tokens"] for r in tree[case]] == [r["tokens"] for r in vanilla[case]]
     assert [r["finish"] for r in tree[case]] == [r["finish"] for r in vanilla[case]]
@@ -167,6 +173,19 @@ def test_too_long_and_empty_prompts_are_refused(tree_llm):
         tree_llm.generate([LONG + " w1 w2 w3"], SamplingParams(max_tokens=4))
     with pytest.raises((ValueError, VLLMError), match="(?i)empty|prompt"):
         tree_llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4))
+
+
+def test_min_p_and_logit_bias_are_refused_clearly(tree_llm):
+    """vLLM 0.32 refuses both with any speculative decoding, at request validation, before
+    the request reaches the engine; the engine keeps serving."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMError
+
+    for bad in (dict(min_p=0.1), dict(logit_bias={57: 4.0})):
+        with pytest.raises((ValueError, VLLMError), match="min_p and logit_bias"):
+            tree_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, **bad))
+    out = tree_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 JSON_TOKENS = ("{", "}", '"', ":", ",", *"0123456789")

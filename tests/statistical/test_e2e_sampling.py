@@ -34,11 +34,15 @@ def small(tmp_path_factory):
     }
 
 
-def _samples(llm, temperature: float, top_p: float = 1.0) -> np.ndarray:
+def _samples(llm, temperature: float, top_p: float = 1.0, seeded: bool = False) -> np.ndarray:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
-    outs = llm.generate([PROMPT] * N_SAMPLES, params, use_tqdm=False)
+    kw = dict(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    # seeded: request i has seed i, so its draws come from generators keyed by
+    # (seed, position) (verify/position_rng.py); over many seeds they must still
+    # follow the target's distribution
+    params = [SamplingParams(**kw, seed=i) for i in range(N_SAMPLES)] if seeded else None
+    outs = llm.generate([PROMPT] * N_SAMPLES, params or SamplingParams(**kw), use_tqdm=False)
     return np.array([list(o.outputs[0].token_ids) for o in outs])
 
 
@@ -66,14 +70,14 @@ def vanilla(small):
     return out
 
 
-def _spec_samples(target, spec, temperature, top_p=1.0, builtin=False):
+def _spec_samples(target, spec, temperature, top_p=1.0, builtin=False, seeded=False):
     import vllm
 
     from eagle_vllm import LLM
 
     cls = vllm.LLM if builtin else LLM
     llm = cls(str(target), speculative_config=spec, **ENGINE_KW, seed=2)
-    samples = _samples(llm, temperature, top_p)
+    samples = _samples(llm, temperature, top_p, seeded)
     shutdown(llm)
     return samples
 
@@ -91,7 +95,19 @@ def test_sampled_distribution_matches_vanilla(small, vanilla, method, draft, tem
     spec = {"method": method, "model": str(small[draft]), "num_speculative_tokens": 3}
     if method == "eagle2":
         spec.update(topk=3, total_tokens=8)
-    ours = _spec_samples(small["target"], spec, temperature, top_p)
+    _check(_spec_samples(small["target"], spec, temperature, top_p), vanilla, temperature)
+
+
+def test_seeded_requests_with_auto_sizing_match_vanilla(small, vanilla):
+    """Per-request seeds (keyed draws) and load-aware sizing together, at T=1 against
+    vanilla's unseeded samples (the sizer's warm-up tries every tree size, and steps
+    without drafts, at each batch size it meets)."""
+    spec = {"method": "eagle2", "model": str(small["good"]), "num_speculative_tokens": 3,
+            "topk": 3, "total_tokens": "auto", "max_total_tokens": 8}  # fmt: skip
+    _check(_spec_samples(small["target"], spec, 1.0, seeded=True), vanilla, 1.0)
+
+
+def _check(ours, vanilla, temperature):
     ref = vanilla["t1" if temperature == 1.0 else "t07"]
     for cols in ((0, 1), (1, 2)):
         p = _two_sample_p(ours, ref, cols)
