@@ -12,6 +12,18 @@ import torch
 
 
 @dataclass
+class AttentionPlan:
+    """Per-step inputs of the tree attention, shared by all layers (``attention_plan``)."""
+
+    rows: torch.Tensor  # [R, N] flat query rows of the nodes
+    valid: torch.Tensor  # [R, N] real nodes (not padding)
+    valid_rows: torch.Tensor  # rows[valid]
+    prefix_len: int  # longest prefix (positions before the root)
+    blocks: torch.Tensor  # [R, ceil(prefix_len / block)] int64 block ids
+    mask: torch.Tensor  # [R, 1, N, prefix_len + N] additive: 0 visible, -inf hidden
+
+
+@dataclass
 class TreeBatch:
     """The tree-shaped requests of one verification step.
 
@@ -32,6 +44,7 @@ class TreeBatch:
     # filled during the target forward: layer name -> (K, V) of the tree rows [R, N, Hkv, D]
     captured_kv: dict = field(default_factory=dict)
     _ancestor_mask: torch.Tensor | None = field(default=None, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def width(self) -> int:
@@ -71,6 +84,29 @@ class TreeBatch:
         if self._ancestor_mask is None:
             self._ancestor_mask = self._build_ancestor_mask()
         return self._ancestor_mask
+
+    def attention_plan(self, dtype: torch.dtype, block_size: int) -> AttentionPlan:
+        """What every attention layer of this step shares, built once per step."""
+        key = (dtype, block_size)
+        if key not in self._plans:
+            rows, valid = self.flat_rows(), self.valid()
+            prefix = max(int(self.root_pos.max()), 1)
+            prefix_ok = torch.arange(prefix)[None, :] < self.root_pos[:, None]
+            r, n = self.parents.shape
+            allowed = torch.cat(
+                [prefix_ok[:, None, :].expand(r, n, prefix), self.ancestor_mask()], 2
+            )
+            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+            num_blocks = -(-prefix // block_size)
+            self._plans[key] = AttentionPlan(
+                rows=rows,
+                valid=valid,
+                valid_rows=rows[valid],
+                prefix_len=prefix,
+                blocks=self.block_table[:, :num_blocks].long(),
+                mask=additive[:, None],
+            )
+        return self._plans[key]
 
     def _build_ancestor_mask(self) -> torch.Tensor:
         r, n = self.parents.shape
