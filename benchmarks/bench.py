@@ -9,6 +9,8 @@ Systems (each in its own engine process, one after the other, same settings):
 * ``vllm-eagle``  vLLM's built-in EAGLE chain with the same head
 * ``eagle``       eagle-vllm chain   (``--eagle-config``, default configs/eagle.yaml)
 * ``eagle2``      eagle-vllm tree    (``--eagle2-config``, default configs/eagle2.yaml)
+* ``eagle2-auto`` eagle-vllm tree with load-aware sizing (``--auto-config``,
+  default configs/eagle2-auto.yaml)
 
 Conditions: MT-bench first turns (chat template) and HumanEval (raw completion),
 batch sizes, temperatures. A batch of size b is b requests submitted together;
@@ -40,7 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2")
+SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto")
+OURS = ("eagle", "eagle2", "eagle2-auto")
 STOCK_SPEC = ("ngram", "vllm-eagle")
 
 
@@ -87,10 +90,14 @@ def build_engine(system: str, args):
         seed=0,
         max_num_seqs=max(args.batch_sizes),
     )
-    if system in ("eagle", "eagle2"):
+    if system in OURS:
         from eagle_vllm import LLM
 
-        config = args.eagle_config if system == "eagle" else args.eagle2_config
+        config = {
+            "eagle": args.eagle_config,
+            "eagle2": args.eagle2_config,
+            "eagle2-auto": args.auto_config,
+        }[system]
         return LLM(args.target, speculative_config=config, **common)
     import vllm
 
@@ -116,10 +123,14 @@ def run_worker(system: str, args) -> list[dict]:
 
     llm = build_engine(system, args)
     tokenizer = llm.get_tokenizer()
-    ours = system in ("eagle", "eagle2")
+    ours = system in OURS
     rows = []
-    # warm-up: first calls allocate and fill caches
+    # warm-up: first calls allocate and fill caches; one untimed batch per batch size
+    # (eagle2-auto measures its arms per batch size; every system gets the same warm-up)
     llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    warm_prompts = _prompts(args.datasets[0], max(args.batch_sizes), tokenizer)
+    for batch in args.batch_sizes:
+        llm.generate(warm_prompts[:batch], SamplingParams(max_tokens=32), use_tqdm=False)
     for rep in range(args.reps):
         for dataset in args.datasets:
             for temperature in args.temperatures:
@@ -292,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", default=str(ROOT / "heads/smollm2-135m-instruct-eagle"))
     p.add_argument("--eagle-config", default=str(ROOT / "configs/eagle.yaml"))
     p.add_argument("--eagle2-config", default=str(ROOT / "configs/eagle2.yaml"))
+    p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--datasets", default="mtbench,humaneval")
     p.add_argument("--batch-sizes", default="1,4,16")

@@ -8,7 +8,9 @@ output tokens / wall seconds is the throughput. Every ratio is against vanilla's
 figure for the same c and repetition, reported as median [min-max].
 
 For ``eagle2-auto`` (``configs/eagle2-auto.yaml``, load-aware sizing) the table
-also shows which tree sizes the sizer chose at each concurrency.
+also shows which tree sizes the sizer chose at each concurrency. Every system runs
+each load once untimed (half the tokens) before timing it: steady state, which
+for eagle2-auto includes measuring its arms at that batch size.
 
 Output: ``OUT.json`` (raw), ``OUT.md`` (table), ``OUT.png`` (curve).
 """
@@ -67,6 +69,9 @@ def run_worker(system: str, args) -> list[dict]:
     for rep in range(args.reps):
         for c in args.concurrency:
             batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
+            # steady state: the same load once untimed (eagle2-auto measures its arms)
+            warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
+            llm.generate(batch, warm, use_tqdm=False)
             before = _spec_counters(llm)
             history_len = 0
             if system == "eagle2-auto":
