@@ -30,7 +30,11 @@ def regenerate_answers(
         tokenizer = llm.get_tokenizer()
         firsts, kept = [], []
         for conv in conversations:
-            prompt_len = len(tokenizer.apply_chat_template(conv[:1], add_generation_prompt=True))
+            # text first: transformers 5 returns a BatchEncoding (not ids) when tokenizing
+            text = tokenizer.apply_chat_template(
+                conv[:1], tokenize=False, add_generation_prompt=True
+            )
+            prompt_len = len(tokenizer(text, add_special_tokens=False).input_ids)
             if prompt_len + 8 < max_model_len:
                 firsts.append(conv[:1])
                 kept.append(conv)
