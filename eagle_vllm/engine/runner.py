@@ -83,6 +83,8 @@ class EagleRunnerMixin:
         cfg = self.eagle_config
         if cfg.auto_size:
             self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens)
+            # on a GPU a phase's wall time needs a sync, or it only counts kernel launches
+            self.timings.synchronize = torch.device(self.device).type == "cuda"
         with device_context():
             self.drafter = EagleTreeProposer(self.vllm_config, self.device, self, self.eagle_config)
         self.rejection_sampler = ExactRejectionSampler(
