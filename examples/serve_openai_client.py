@@ -4,8 +4,10 @@ Start the server first (CPU; on a GPU drop --dtype/--enforce-eager as you like):
 
     .venv/bin/eagle-vllm prepare smollm2                 # ./models/SmolLM2-135M-Instruct
     VLLM_CPU_KVCACHE_SPACE=4 .venv/bin/vllm serve models/SmolLM2-135M-Instruct \
-        --speculative-config configs/eagle2.yaml --dtype bfloat16 --enforce-eager \
+        --speculative-config configs/eagle2.yaml --dtype float32 --enforce-eager \
         --port 8000
+    (configs/eagle2-auto.yaml sizes the tree to the load; float32 on CPUs without
+    AVX-512 BF16, see BENCHMARKS.md)
 
 then:
 
