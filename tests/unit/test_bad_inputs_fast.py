@@ -306,6 +306,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "total_tokens": "12",
         "draft_sample_method": "greedy",
         "draft_vocab": "0",
+        "auto_size": "False",
         "source": str(models["good"]),
     }
     assert run["wall_s"] < MAX_WALL_S
