@@ -17,9 +17,14 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   KV compaction, vLLM's bookkeeping) and ``draft(B, d)`` (the drafter's passes)
   are wall-clock measurements on the running hardware, kept per power-of-two
   batch-size bucket as the median of the last few samples (robust to a stray
-  slow step: a garbage collection, another tenant). Arms never measured in a
-  bucket are tried once (warm-up); afterwards the stalest arm is re-measured
-  every ``explore_every`` steps, so the table follows the machine.
+  slow step: a garbage collection, another tenant). An arm not yet measured in a
+  bucket is tried only if it could still win: its expected tokens over the largest
+  measured cost of any smaller arm (costs grow with nodes and passes) must beat the
+  best measured arm. So at high load, where one small tree already loses to no
+  drafts, the big trees are never tried. Every ``explore_every`` steps either the
+  stalest arm that could still win is re-measured, or the smallest tree runs as a
+  probe that keeps acceptance measured while speculation is off; so the table
+  follows the machine and the workload.
 
 ``(0, 1)`` is always a candidate: no drafts this step (the drafter still runs
 its first pass, which keeps the draft KV complete). As the batch grows, the
@@ -82,15 +87,16 @@ class AcceptanceStats:
     depth: int
     max_nodes: int
     decay: float = 0.995
-    # prior: one pseudo-observation with this rate, so an unseen node is worth trying
+    # prior: one pseudo-observation with this rate, never decayed, so a node unseen (or
+    # not seen for long) drifts back to worth trying
     prior_rate: float = 0.5
     hits: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         shape = (self.depth + 1, self.max_nodes)
-        self.hits = torch.full(shape, self.prior_rate, dtype=torch.float64)
-        self.trials = torch.ones(shape, dtype=torch.float64)
+        self.hits = torch.zeros(shape, dtype=torch.float64)
+        self.trials = torch.zeros(shape, dtype=torch.float64)
 
     def update(self, depths: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verified step. ``[R, W]`` per request and node (node 0 = root):
@@ -114,7 +120,7 @@ class AcceptanceStats:
             self.hits[d].index_add_(0, j, accepted[keep].to(torch.float64))
 
     def rates(self, d: int) -> torch.Tensor:
-        return self.hits[d] / self.trials[d]
+        return (self.hits[d] + self.prior_rate) / (self.trials[d] + 1.0)
 
     def expected_tokens(self, d: int, m: int) -> float:
         """Tokens a request gains per step with ``d`` passes and an ``m``-node tree."""
@@ -177,26 +183,63 @@ class TreeSizer:
         bucket = batch_bucket(batch_size)
         arm = self._unmeasured(bucket)
         if arm is None and self.steps % self.explore_every == 0:
-            arm = self._stalest(bucket)
+            # alternate: the stalest arm that could still win, and the smallest tree as
+            # a cheap probe that keeps acceptance measured while speculation is off
+            probe = (self.steps // self.explore_every) % 2 == 0
+            arm = self.arms[1] if probe and len(self.arms) > 1 else self._stalest(bucket)
         if arm is None:
-            arm = max(self.arms, key=lambda a: (self.throughput(batch_size, a), -a[1], -a[0]))
+            measured = [a for a in self.arms if self._measured(bucket, a)]
+            arm = max(measured, key=lambda a: (self.throughput(batch_size, a), -a[1], -a[0]))
         self.history.append((batch_size, *arm))
         del self.history[:-4096]
         return arm
 
+    def _measured(self, bucket: int, arm: tuple[int, int]) -> bool:
+        return (bucket, arm[1]) in self.verify_cost and (bucket, arm[0]) in self.draft_cost
+
+    def _could_win(self, bucket: int, arm: tuple[int, int], best: float) -> bool:
+        """Optimistic bound: expected tokens over the largest cost measured for an arm
+        with at most as many nodes and passes (its own cost can only be higher)."""
+        floor = max(
+            (
+                c
+                for other in self.arms
+                if other[0] <= arm[0] and other[1] <= arm[1]
+                and (c := self._cost(bucket, other)) is not None
+            ),
+            default=0.0,
+        )  # fmt: skip
+        return floor <= 0 or self.acceptance.expected_tokens(*arm) / floor > best
+
+    def _best_measured(self, bucket: int) -> float:
+        rates = [
+            self.acceptance.expected_tokens(*a) / max(c, 1e-9)
+            for a in self.arms
+            if (c := self._cost(bucket, a)) is not None
+        ]
+        return max(rates, default=0.0)
+
     def _unmeasured(self, bucket: int) -> tuple[int, int] | None:
-        for arm in self.arms:
-            if (bucket, arm[1]) not in self.verify_cost or (bucket, arm[0]) not in self.draft_cost:
+        best = self._best_measured(bucket)
+        for arm in self.arms:  # smallest first: off, then growing trees
+            if not self._measured(bucket, arm) and self._could_win(bucket, arm, best):
                 return arm
         return None
 
-    def _stalest(self, bucket: int) -> tuple[int, int]:
+    def _stalest(self, bucket: int) -> tuple[int, int] | None:
+        best = self._best_measured(bucket)
+        candidates = [
+            a for a in self.arms if self._measured(bucket, a) and self._could_win(bucket, a, best)
+        ]
+        if not candidates:
+            return None
+
         def age(arm):
             v = self.verify_cost[(bucket, arm[1])].last_step
             d = self.draft_cost[(bucket, arm[0])].last_step
             return min(v, d)
 
-        return min(self.arms, key=age)
+        return min(candidates, key=age)
 
     def table(self) -> dict:
         """The current measurements and predictions, for logs and benchmarks."""
