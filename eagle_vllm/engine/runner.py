@@ -29,6 +29,7 @@ Scheduling, batching, KV allocation, bookkeeping and metrics stay vLLM's.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
@@ -101,7 +102,20 @@ class EagleRunnerMixin:
 
     # -- timing (benchmarks read it through the worker's eagle_vllm_timings RPC) --
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self._step_clock = {"verified_nodes": 1, "decode_only": _decode_only(scheduler_output)}
+        now = time.perf_counter()
+        last = self._step_clock
+        if "runner_seconds" in last:
+            # the whole step as the engine lives it: runner phases plus the scheduler and
+            # output processing between two steps, which the runner does not see
+            period = now - last["started"]
+            if period < 3 * last["runner_seconds"]:  # not an idle gap between requests
+                self._observe_step_costs(last, period)
+        self._step_clock = {
+            "verified_nodes": 1,
+            "decode_only": _decode_only(scheduler_output),
+            "started": now,
+            "batch": 0,
+        }
         with self.timings.phase("execute_model") as clock:
             out = super().execute_model(scheduler_output, *args, **kwargs)
         self._step_clock["execute_model"] = clock.seconds
@@ -110,7 +124,11 @@ class EagleRunnerMixin:
     def sample_tokens(self, *args, **kwargs):
         with self.timings.phase("sample_tokens") as clock:
             out = super().sample_tokens(*args, **kwargs)
-        self._observe_step_costs(clock.seconds)
+        step = self._step_clock
+        if "execute_model" in step:
+            step["runner_seconds"] = step["execute_model"] + clock.seconds
+            step["batch"] = self.input_batch.num_reqs
+            step["passes"] = self.drafter.last_size[0] if self.sizer is not None else 0
         return out
 
     # -- load-aware sizing (total_tokens: auto) --------------------------------
@@ -127,15 +145,15 @@ class EagleRunnerMixin:
             choice = tuple(get_tp_group().broadcast_object(choice, src=0))
         return choice
 
-    def _observe_step_costs(self, sample_seconds: float) -> None:
-        clock, sizer = self._step_clock, self.sizer
-        if sizer is None or "execute_model" not in clock or "draft" not in clock:
+    def _observe_step_costs(self, step: dict, period: float) -> None:
+        """Charge a finished step's wall time: drafting to its passes, the rest of the
+        period (target forward, verification, vLLM's own work) to the nodes verified."""
+        sizer = self.sizer
+        if sizer is None or "draft" not in step or not step["batch"]:
             return
-        batch = self.input_batch.num_reqs
-        sizer.observe_draft(batch, self.drafter.last_size[0], clock["draft"])
-        if clock["decode_only"]:  # a prefill chunk would be charged to the tree
-            verify = clock["execute_model"] + sample_seconds - clock["draft"]
-            sizer.observe_verify(batch, clock["verified_nodes"], verify)
+        sizer.observe_draft(step["batch"], step["passes"], step["draft"])
+        if step["decode_only"]:  # a prefill chunk would be charged to the tree
+            sizer.observe_verify(step["batch"], step["verified_nodes"], period - step["draft"])
 
     def _observe_acceptance(self, metadata) -> None:
         """Which node of each verified tree was accepted, for the sizer's acceptance rates."""
