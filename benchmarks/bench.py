@@ -295,6 +295,24 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_systems(script: str, systems: list[str], argv: list[str] | None, out: str) -> list[dict]:
+    """Run ``script --worker SYSTEM`` for each system, one after the other, each in its own
+    process (its own engine, nothing shared); the worker writes its rows to
+    ``OUT.SYSTEM.json``. Same environment for all: KV cache size and thread binding."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    rows: list[dict] = []
+    for system in systems:
+        cmd = [sys.executable, script, *(argv if argv is not None else sys.argv[1:])]
+        print(f"== {system}", flush=True)
+        subprocess.run([*cmd, "--worker", system], env=env, check=True)
+        part = Path(out + f".{system}.json")
+        rows += json.loads(part.read_text())
+        part.unlink()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -342,18 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: {what} '{path}' does not exist. Fix: make setup; "
                 ".venv/bin/eagle-vllm prepare smollm2 (target) / make reference-head (head)."
             )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    rows: list[dict] = []
     started = time.time()
-    for system in args.systems:
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
-        cmd += ["--worker", system]
-        print(f"== {system}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
-        rows += json.loads(Path(args.out + f".{system}.json").read_text())
-        Path(args.out + f".{system}.json").unlink()
+    rows = run_systems(__file__, args.systems, argv, args.out)
     md, table = summarise(rows, args.systems)
     header = (
         f"# Benchmark: {Path(args.target).name}, head {Path(args.head).name}\n\n"

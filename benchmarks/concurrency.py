@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import _fmt, _prompts, _spec_counters  # noqa: E402
+from bench import _fmt, _prompts, _spec_counters, run_systems  # noqa: E402
 
 SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
 
@@ -188,16 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out + f".{args.worker}.json").write_text(json.dumps(rows))
         return 0
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    started, rows = time.time(), []
-    for system in args.systems:
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
-        print(f"== {system}", flush=True)
-        subprocess.run([*cmd, "--worker", system], env=env, check=True)
-        rows += json.loads(Path(args.out + f".{system}.json").read_text())
-        Path(args.out + f".{system}.json").unlink()
+    started = time.time()
+    rows = run_systems(__file__, args.systems, argv, args.out)
     md, curve = summarise(rows, args.systems, args.concurrency)
     command = " ".join([".venv/bin/python", "benchmarks/concurrency.py", *(argv or sys.argv[1:])])
     header = (

@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle num_speculative_tokens=3
     .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle2 num_speculative_tokens=4 topk=4 total_tokens=16
+    .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle draft_sample_method=sample temperature=1 prompts=32
+
+``temperature=`` and ``prompts=`` (default 0 and 8) set the run; other key=value
+pairs go into the speculative config.
 
 Prints tau = 1 + accepted/drafts and per-depth acceptance from vLLM's own counters.
 """
@@ -24,6 +28,8 @@ def main() -> None:
     for kv in sys.argv[3:]:
         k, v = kv.split("=")
         spec[k] = int(v) if v.isdigit() else v
+    temperature = float(spec.pop("temperature", 0))
+    num_prompts = int(spec.pop("prompts", 8))
     llm = LLM("models/SmolLM2-135M-Instruct", speculative_config=spec, dtype="bfloat16",
               enforce_eager=True, max_model_len=2048, disable_log_stats=False)  # fmt: skip
     tok = llm.get_tokenizer()
@@ -31,10 +37,10 @@ def main() -> None:
         tok.apply_chat_template(
             [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
         )
-        for q in mtbench_prompts()[:8]
+        for q in mtbench_prompts()[:num_prompts]
     ]
     start = time.time()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=96), use_tqdm=False)
     m = {
         x.name: (x.values if hasattr(x, "values") else x.value)
         for x in llm.get_metrics()
@@ -43,7 +49,7 @@ def main() -> None:
     drafts = m["vllm:spec_decode_num_drafts"]
     accepted = m["vllm:spec_decode_num_accepted_tokens"]
     per_pos = [round(x / drafts, 2) for x in m["vllm:spec_decode_num_accepted_tokens_per_pos"]]
-    print(spec, "tau", round(1 + accepted / drafts, 3), "per_pos", per_pos,
+    print(spec, "T", temperature, "tau", round(1 + accepted / drafts, 3), "per_pos", per_pos,
           "time", round(time.time() - start, 1))  # fmt: skip
 
 

@@ -28,12 +28,15 @@ WORKER_CLS = "eagle_vllm.engine.worker.EagleWorker"
 METHODS = ("eagle", "eagle2")
 # vLLM 0.32: vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN.
 MAX_DRAFT_SLOTS = 128
-DRAFT_SAMPLE_METHODS = ("greedy",)
+# greedy: argmax / top-k drafts, verified by the target-only rule (exact for any tree).
+# sample: chain drafts drawn from the draft distribution at the request's temperature,
+# verified with min(1, p/q) (higher acceptance at T > 0; docs/lossless-verification.md).
+DRAFT_SAMPLE_METHODS = ("greedy", "sample")
 
 # Defaults are sized for small models on CPU, where verifying more than ~16
 # tokens per step costs much more than one decode step (see BENCHMARKS.md).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "eagle": {"num_speculative_tokens": 3, "topk": 1, "draft_sample_method": "greedy"},
+    "eagle": {"num_speculative_tokens": 3, "topk": 1, "draft_sample_method": "sample"},
     "eagle2": {
         "num_speculative_tokens": 4,
         "topk": 4,
@@ -295,6 +298,14 @@ def parse_speculative_config(
             "draft_sample_method",
             f"unknown value '{values['draft_sample_method']}'",
             f"use one of {list(DRAFT_SAMPLE_METHODS)}",
+        )
+    if values["draft_sample_method"] == "sample" and topk != 1:
+        # The EAGLE-2 rerank keeps or drops sampled siblings by their values, so they are
+        # no longer draws from q and min(1, p/q) would not be exact.
+        raise _fail(
+            "draft_sample_method",
+            f"'sample' drafts chains only (topk 1), got topk {topk}",
+            "use draft_sample_method: greedy for trees (exact for any tree), or topk: 1",
         )
 
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint

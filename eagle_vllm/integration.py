@@ -72,6 +72,14 @@ def apply_to_engine_args(engine_args) -> None:
         engine_args.speculative_config = kwargs["speculative_config"]
         engine_args.additional_config = {**extra, **kwargs["additional_config"]}
         engine_args.worker_cls = kwargs["worker_cls"]
+    if getattr(engine_args, "logits_processors", None):
+        # vLLM 0.32 builds only MinTokens when speculating and raises inside the worker
+        # (vllm/v1/sample/logits_processor/__init__.py); say it here, before workers start.
+        raise EagleConfigError(
+            "logits_processors: vLLM 0.32 does not run custom logits processors with "
+            "speculative decoding (its target logits on draft positions would skip them). "
+            "Fix: drop --logits-processors, or serve without a speculative config."
+        )
     if (getattr(engine_args, "pipeline_parallel_size", 1) or 1) > 1:
         # vLLM 0.32 drafts on the last pipeline rank only (gpu_model_runner.py), while
         # tree verification needs every rank to know the tree. See docs/multi-node.md.

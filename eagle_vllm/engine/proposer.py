@@ -49,6 +49,12 @@ class DraftedTrees:
 
     req_ids: list[str]
     tree: DraftTree
+    # draft_sample_method: sample. ``sampled[b]``: request b's drafts were sampled
+    # from ``draft_q[b, j]`` (node j's child distribution over ``q_token_ids``, or the
+    # full vocabulary when None); the verifier then uses q (sampled_chain_verify).
+    sampled: torch.Tensor | None = None
+    draft_q: torch.Tensor | None = None
+    q_token_ids: torch.Tensor | None = None
 
 
 class _TreeNodeAttention(nn.Module):
@@ -100,6 +106,11 @@ class EagleTreeProposer(EagleProposer):
         self._runner = runner
         # (draft passes, tree nodes) of the last propose, for the runner's sizer
         self.last_size: tuple[int, int] = (0, 1)
+        # Draws for sampled drafts. One generator, seeded alike on every rank and
+        # consumed alike, so tensor-parallel ranks draft identical tokens.
+        self._draft_rng = torch.Generator(device=device).manual_seed(
+            vllm_config.model_config.seed or 0
+        )
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -193,6 +204,7 @@ class EagleTreeProposer(EagleProposer):
         root_hidden = hidden[token_indices_to_sample]
         root_last_hidden = last_hidden[token_indices_to_sample]  # the LM head runs in draft_tree
         root_positions = self.positions[token_indices_to_sample].to(torch.int64)
+        temperatures = self._sampling_temperatures(req_ids, sampling_metadata)
         tree = self.draft_tree(
             root_tokens=next_token_ids[:batch_size].to(torch.int64),
             root_hidden=root_hidden,
@@ -201,12 +213,57 @@ class EagleTreeProposer(EagleProposer):
             block_table=cad.block_table_tensor[:batch_size],
             total_tokens=total_tokens,
             depth=depth,
+            temperatures=temperatures,
         )
         self.last_drafts = DraftedTrees(req_ids=req_ids, tree=tree)
+        if temperatures is not None:
+            self.last_drafts.sampled = temperatures > 0
+            self.last_drafts.draft_q = self._last_q
+            self.last_drafts.q_token_ids = self._last_q_token_ids
         drafts = tree.tokens[:, 1 : num_drafts + 1]
         if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)
             drafts = torch.nn.functional.pad(drafts, (0, num_drafts - drafts.shape[1]), value=0)
         return drafts.clamp(min=0)
+
+    def _sampling_temperatures(self, req_ids: list[str], sampling_metadata) -> torch.Tensor | None:
+        """[B] temperature at which each request's drafts are sampled (0: argmax drafts),
+        or None when nothing is sampled.
+
+        With ``draft_sample_method: sample``, sampled requests draft from q at their own
+        temperature. Seeded requests keep argmax drafts: their verifier draws are keyed
+        by position, so their output depends on the seed alone, whatever was drafted.
+        Requests with a grammar keep argmax drafts too: vLLM truncates drafts the
+        grammar rejects, a value-dependent cut under which min(1, p/q) is not exact.
+        """
+        if self.eagle_config.draft_sample_method != "sample":
+            return None
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            return None
+        temps = sampling_metadata.temperature[: len(req_ids)].to("cpu", torch.float32).clone()
+        for b in sampling_metadata.generators:
+            if b < len(req_ids):
+                temps[b] = 0.0
+        for b, req_id in enumerate(req_ids):
+            state = self._runner.requests.get(req_id)
+            if state is not None and state.sampling_params is not None:
+                if state.sampling_params.structured_outputs is not None:
+                    temps[b] = 0.0
+        if not bool((temps > 0).any()):
+            return None
+        return temps
+
+    def _choose_children(
+        self, logprobs: torch.Tensor, temperatures: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One child per row: a draw from q = softmax(logprobs / T) where T > 0, the
+        argmax where T == 0. Returns children [B, w, 1] and q [B, w, V]."""
+        temps = temperatures.to(logprobs.device)[:, None, None]
+        q = torch.softmax(logprobs / temps.clamp(min=1e-5), dim=-1)
+        race = torch.empty_like(q).exponential_(generator=self._draft_rng)
+        sampled = (q / race).argmax(dim=-1, keepdim=True)  # exact draw from q
+        greedy = logprobs.argmax(dim=-1, keepdim=True)
+        children = torch.where(temps > 0, sampled, greedy)
+        return children, q
 
     @torch.inference_mode()
     def draft_tree(
@@ -218,13 +275,28 @@ class EagleTreeProposer(EagleProposer):
         block_table: torch.Tensor,
         total_tokens: int,
         depth: int,
+        temperatures: torch.Tensor | None = None,
     ) -> DraftTree:
         """Expand (``depth`` draft passes) and rerank a tree per request, from the root's
-        draft output."""
+        draft output. ``temperatures`` [B] (chains only): sample each draft from the
+        draft distribution at that temperature (0: argmax); the q rows are kept in
+        ``self._last_q`` for the verifier."""
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
         builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
-        builder.step(*self._draft_logprobs(root_last_hidden, 1))
+        q_rows: list[torch.Tensor] = []
+
+        def expand(logprobs: torch.Tensor, token_ids: torch.Tensor | None) -> None:
+            if temperatures is None:
+                builder.step(logprobs, token_ids)
+                return
+            children, q = self._choose_children(logprobs, temperatures)
+            q_rows.append(q[:, 0])
+            self._last_q = torch.stack(q_rows, dim=1)  # [B, passes so far, V]
+            self._last_q_token_ids = token_ids
+            builder.step(logprobs, token_ids, children=children)
+
+        expand(*self._draft_logprobs(root_last_hidden, 1))
         if depth == 1:
             return builder.finalize(pad_to=total_tokens)
 
@@ -268,7 +340,7 @@ class EagleTreeProposer(EagleProposer):
                 for layer in layers:
                     x, residual = layer(positions.reshape(-1), x, residual)
                 node_hidden = (x + residual).view(batch, width, -1)
-                builder.step(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
+                expand(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
         return builder.finalize(pad_to=total_tokens)
 
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):

@@ -94,6 +94,7 @@ class EagleRunnerMixin:
             self.device,
             tree_source=self._tree_parents,
             position_source=lambda: self.positions,
+            draft_q_source=self._sampled_draft_q,
         )
 
     @property
@@ -255,6 +256,43 @@ class EagleRunnerMixin:
         parents[tb.batch_rows, :n] = tree_parents
         parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
         return parents
+
+    def _sampled_draft_q(
+        self, tokens: torch.Tensor, num_nodes: torch.Tensor, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Draft distributions of requests whose drafts were sampled (draft_sample_method:
+        sample): q [B, N, vocab] (node j's row = the law its child was drawn from) and
+        the mask of those requests, or None when no request has them. A request whose
+        scheduled drafts are not a prefix of what was drafted is left out."""
+        last = self.drafter.last_drafts
+        if last is None or last.sampled is None or last.draft_q is None:
+            return None
+        batch, width = tokens.shape
+        index = {req_id: i for i, req_id in enumerate(last.req_ids)}
+        passes = last.draft_q.shape[1]
+        rows, src = [], []
+        for b, req_id in enumerate(self.input_batch.req_ids[:batch]):
+            i = index.get(req_id)
+            n = int(num_nodes[b])
+            if i is None or not bool(last.sampled[i]) or n - 1 > passes:
+                continue
+            if not torch.equal(tokens[b, 1:n], last.tree.tokens[i, 1:n].to(tokens.device)):
+                continue
+            rows.append(b)
+            src.append(i)
+        if not rows:
+            return None
+        q = torch.zeros(batch, width, vocab, dtype=torch.float32)
+        n_rows = min(width, passes)
+        sub = last.draft_q[src, :n_rows].to("cpu", torch.float32)
+        if last.q_token_ids is None:
+            q[rows, :n_rows, : sub.shape[-1]] = sub
+        else:
+            ids = last.q_token_ids.to("cpu", torch.int64)
+            q[torch.tensor(rows)[:, None, None], torch.arange(n_rows)[None, :, None], ids] = sub
+        mask = torch.zeros(batch, dtype=torch.bool)
+        mask[rows] = True
+        return q, mask
 
     def _sample(self, logits, spec_decode_metadata):
         with (

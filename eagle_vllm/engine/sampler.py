@@ -25,7 +25,12 @@ from vllm.v1.sample.rejection_sampler import (
     RejectionSampler,
 )
 
-from eagle_vllm.verify import chain_parents, deterministic_tree_verify, greedy_verify
+from eagle_vllm.verify import (
+    chain_parents,
+    deterministic_tree_verify,
+    greedy_verify,
+    sampled_chain_verify,
+)
 from eagle_vllm.verify.position_rng import (
     DOMAIN_SAMPLER,
     position_exponentials,
@@ -37,9 +42,18 @@ class ExactRejectionSampler(RejectionSampler):
     """Verifies drafts as trees (a chain is a tree) with exact rules."""
 
     def __init__(
-        self, sampler, spec_config=None, device=None, tree_source=None, position_source=None
+        self,
+        sampler,
+        spec_config=None,
+        device=None,
+        tree_source=None,
+        position_source=None,
+        draft_q_source=None,
     ):
         super().__init__(sampler, spec_config, device)
+        # Callable(tokens [B, N], num_nodes [B], vocab) -> (q [B, N, V], mask [B]) or
+        # None: the draft distributions of requests whose drafts were sampled from q.
+        self.draft_q_source = draft_q_source
         # Callable() -> positions [num_tokens] of this step's scheduled tokens (tree rows
         # at root + depth). Seeded requests key their random draws by sequence position
         # (verify/position_rng.py) so that the same seed gives the same output.
@@ -161,6 +175,21 @@ class ExactRejectionSampler(RejectionSampler):
             probs = _apply_min_p(probs, sampling_metadata, idx, max_drafts + 1)
             probs[torch.arange(idx.numel()), leaf[idx]] = 0.0
             probs[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 1.0
+            sampled_q = self._sampled_q(tokens, num_nodes, vocab, idx)
+            if sampled_q is not None:
+                # drafts sampled from q: standard speculative sampling, min(1, p/q)
+                q, is_sampled = sampled_q
+                sub = is_sampled.nonzero().view(-1)
+                res = sampled_chain_verify(
+                    tokens[idx[sub]], None, num_nodes[idx[sub]], probs[sub], q[sub]
+                )
+                output[idx[sub]] = res.output_tokens
+                accepted[idx[sub]] = res.accepted_nodes
+                keep = (~is_sampled).nonzero().view(-1)
+                idx, probs = idx[keep], probs[keep]
+        if (~greedy_rows).any() and idx.numel():
+            # rule C (deterministic_tree_verify): exact for any drafts chosen without the
+            # verifier's randomness (argmax / top-k trees, and seeded requests)
             generators = [sampling_metadata.generators.get(int(i)) for i in idx]
             exponentials = None
             if row_positions is not None and any(g is not None for g in generators):
@@ -191,6 +220,20 @@ class ExactRejectionSampler(RejectionSampler):
             accepted[idx] = res.accepted_nodes
         self.last_accepted_nodes = accepted
         return output.to(device)
+
+    def _sampled_q(self, tokens, num_nodes, vocab, idx) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [len(idx), N, V], mask [len(idx)]) for the sampled-temperature rows ``idx``
+        whose drafts were drawn from q, or None."""
+        if self.draft_q_source is None:
+            return None
+        found = self.draft_q_source(tokens, num_nodes, vocab)
+        if found is None:
+            return None
+        q, mask = found
+        mask = mask[idx]
+        if not bool(mask.any()):
+            return None
+        return q[idx], mask
 
     def _get_logprobs_tensors(
         self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids

@@ -10,7 +10,8 @@ the plugin's config sets; vLLM keeps an explicit ``worker_cls`` on CPU and CUDA.
 
 Both add ``eagle_vllm_timings``, reachable with
 ``LLM.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})``, and
-``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``).
+``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``) and
+``eagle_vllm_rng_digest`` (the random state speculation draws from, per rank).
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ class _TimingsRPC:
         """Seconds and calls per runner phase since the last reset (see engine/timing.py)."""
         timings = getattr(self.model_runner, "timings", None)
         return {} if timings is None else timings.snapshot(reset)
+
+    def eagle_vllm_rng_digest(self) -> dict:
+        """Digests of the random state this rank draws speculation from: the drafter's
+        generator (sampled drafts) and torch's default one (the verifier's coins, vLLM's
+        sampler). Tensor-parallel ranks must report identical digests."""
+        import hashlib
+
+        import torch
+
+        def digest(state: torch.Tensor) -> str:
+            return hashlib.sha256(state.numpy().tobytes()).hexdigest()[:16]
+
+        drafter = getattr(self.model_runner, "drafter", None)
+        rng = getattr(drafter, "_draft_rng", None)
+        return {
+            "drafter": None if rng is None else digest(rng.get_state()),
+            "default": digest(torch.get_rng_state()),
+        }
 
     def eagle_vllm_sizing(self) -> dict:
         """The load-aware sizer's measurements and recent choices ({} unless total_tokens: auto)."""

@@ -187,14 +187,19 @@ class TreeBuilder:
     def frontier(self) -> Frontier:
         return self._frontier
 
-    def step(self, logprobs: Tensor, token_ids: Tensor | None = None) -> Frontier:
+    def step(
+        self, logprobs: Tensor, token_ids: Tensor | None = None, children: Tensor | None = None
+    ) -> Frontier:
         """Expand the current frontier with its children distributions.
 
         ``logprobs``: [B, w, V] log-softmax of the draft logits, row ``j`` for
         frontier node ``j``.  Any float dtype; top-k runs in that dtype and
         scores are accumulated in float32.  ``token_ids``: [V] the token id of
         each column when drafting over a reduced vocabulary (default: column j
-        is token j).  Returns the next frontier.
+        is token j).  ``children``: [B, w, topk] columns chosen by the caller
+        (e.g. sampled from the draft distribution) instead of the top-k; they
+        keep the caller's order, which a sampled-draft verifier relies on.
+        Returns the next frontier.
         """
         if self._steps >= self.depth:
             raise RuntimeError(f"TreeBuilder.step called more than depth={self.depth} times")
@@ -206,16 +211,23 @@ class TreeBuilder:
             raise ValueError(f"vocab size {logprobs.shape[2]} < topk {k}")
         dev = self.device
 
-        vals, idx = torch.topk(logprobs, k, dim=-1)  # [B, w, k]
+        if children is None:
+            vals, idx = torch.topk(logprobs, k, dim=-1)  # [B, w, k]
+        else:
+            if children.shape != (b, w, k):
+                raise ValueError(f"children must be [B={b}, w={w}, topk={k}]")
+            idx = children.to(dev, torch.long)
+            vals = logprobs.gather(-1, idx)
         if token_ids is not None:
             idx = token_ids.to(idx.device)[idx]
         vals = vals.float()
         vals = torch.where(torch.isnan(vals), float("-inf"), vals).clamp(max=0.0)
-        # canonical sibling order: log-prob desc, then token id asc
-        idx, perm = torch.sort(idx, dim=-1)
-        vals = vals.gather(-1, perm)
-        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-        idx = idx.gather(-1, perm)
+        if children is None:
+            # canonical sibling order: log-prob desc, then token id asc
+            idx, perm = torch.sort(idx, dim=-1)
+            vals = vals.gather(-1, perm)
+            vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+            idx = idx.gather(-1, perm)
 
         child_scores = (fr.scores[:, :, None] + vals).reshape(b, w * k)
         child_tokens = idx.reshape(b, w * k).long()

@@ -205,3 +205,36 @@ def test_fc_bias_checkpoint_loads_and_is_used(tiny, oracle_llm):
     shutdown(llm)
     assert got == expected
     assert mean_acceptance_length(metrics) < K + 1, metrics
+
+
+def test_tp2_sampled_chain_ranks_draw_alike(tiny, monkeypatch):
+    """Tensor parallel 2 (mp) with drafts sampled from q at T=1: both ranks consume the
+    drafter's generator and the verifier's alike (identical random state after serving
+    a batch), and the drafts stay useful (a rank drafting other tokens than the
+    scheduled ones would fall back and desynchronise)."""
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm = LLM(
+        str(tiny["target"]),
+        speculative_config={"method": "eagle", "model": str(tiny["draft_noisy"]),
+                            "num_speculative_tokens": K, "draft_sample_method": "sample"},
+        tensor_parallel_size=2,
+        **ENGINE_KW,
+    )  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(PROMPTS * 4, params)
+    digests = llm.collective_rpc("eagle_vllm_rng_digest")
+    metrics = spec_metrics(llm)
+    shutdown(llm)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    import hashlib
+
+    import torch
+
+    unused = torch.Generator().manual_seed(0).get_state().numpy().tobytes()
+    assert digests[0]["drafter"] != hashlib.sha256(unused).hexdigest()[:16]  # it sampled
+    assert mean_acceptance_length(metrics) > 1.3, metrics

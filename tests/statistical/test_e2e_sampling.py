@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ENGINE_KW, shutdown
+from conftest import ENGINE_KW, mean_acceptance_length, shutdown, spec_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -70,7 +70,7 @@ def vanilla(small):
     return out
 
 
-def _spec_samples(target, spec, temperature, top_p=1.0, builtin=False, seeded=False):
+def _spec_samples(target, spec, temperature, top_p=1.0, builtin=False, seeded=False, tau=None):
     import vllm
 
     from eagle_vllm import LLM
@@ -78,24 +78,59 @@ def _spec_samples(target, spec, temperature, top_p=1.0, builtin=False, seeded=Fa
     cls = vllm.LLM if builtin else LLM
     llm = cls(str(target), speculative_config=spec, **ENGINE_KW, seed=2)
     samples = _samples(llm, temperature, top_p, seeded)
+    if tau is not None:
+        tau.append(mean_acceptance_length(spec_metrics(llm)))
     shutdown(llm)
     return samples
 
 
+# eagle2 drafts top-k trees (verified by the target-only rule); eagle chains default to
+# drafts sampled from q (verified with min(1, p/q)); "eagle-greedy" drafts argmax chains.
 CASES = [
     pytest.param("eagle2", "good", 1.0, 1.0, id="eagle2-good-T1"),
-    pytest.param("eagle", "random", 0.7, 0.9, id="eagle-random-T0.7-top_p0.9"),
+    pytest.param("eagle", "random", 0.7, 0.9, id="eagle-sampled-random-T0.7-top_p0.9"),
+    pytest.param("eagle", "good", 1.0, 1.0, id="eagle-sampled-good-T1"),
     pytest.param("eagle2", "random", 0.7, 0.9, id="eagle2-random-T0.7", marks=pytest.mark.slow),
-    pytest.param("eagle", "good", 1.0, 1.0, id="eagle-good-T1", marks=pytest.mark.slow),
+    pytest.param(
+        "eagle-greedy", "good", 1.0, 1.0, id="eagle-greedy-good-T1", marks=pytest.mark.slow
+    ),
 ]
+
+
+def _spec(small, method: str, draft: str) -> dict:
+    spec = {"method": method, "model": str(small[draft]), "num_speculative_tokens": 3}
+    if method == "eagle2":
+        spec.update(topk=3, total_tokens=8)
+    if method == "eagle-greedy":
+        spec.update(method="eagle", draft_sample_method="greedy")
+    if method == "eagle":
+        spec.update(draft_sample_method="sample")
+    return spec
 
 
 @pytest.mark.parametrize("method,draft,temperature,top_p", CASES)
 def test_sampled_distribution_matches_vanilla(small, vanilla, method, draft, temperature, top_p):
-    spec = {"method": method, "model": str(small[draft]), "num_speculative_tokens": 3}
-    if method == "eagle2":
-        spec.update(topk=3, total_tokens=8)
+    spec = _spec(small, method, draft)
     _check(_spec_samples(small["target"], spec, temperature, top_p), vanilla, temperature)
+
+
+def test_sampled_drafts_are_accepted_more_often_at_t1(small):
+    """With a draft close to the target, drafts sampled from q are accepted with
+    min(1, p/q) ~ 1, argmax drafts only with p(argmax): sampling must raise tau."""
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+
+    taus = {}
+    for method in ("sample", "greedy"):
+        spec = {"method": "eagle", "model": str(small["good"]), "num_speculative_tokens": 3,
+                "draft_sample_method": method}  # fmt: skip
+        llm = LLM(str(small["target"]), speculative_config=spec, **ENGINE_KW, seed=3)
+        params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+        llm.generate([PROMPT] * 300, params, use_tqdm=False)
+        taus[method] = mean_acceptance_length(spec_metrics(llm))
+        shutdown(llm)
+    assert taus["sample"] > taus["greedy"] + 0.5, taus
 
 
 def test_seeded_requests_with_auto_sizing_match_vanilla(small, vanilla):

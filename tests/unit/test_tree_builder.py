@@ -563,3 +563,26 @@ def test_reduced_vocabulary_columns_map_to_token_ids():
     a, b = full_b.finalize(), sub_b.finalize()
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert torch.isin(b.tokens[:, 1:], token_ids).all()
+
+
+def test_caller_chosen_children_keep_their_order_and_scores():
+    """Sampled drafting passes the children itself: they are used as given (draw order
+    kept, no top-k), mapped through the reduced vocabulary, scored by their log-probs."""
+    gen = torch.Generator().manual_seed(4)
+    batch, sub, depth = 2, 9, 3
+    token_ids = torch.arange(100, 100 + sub)
+    builder = TreeBuilder(torch.tensor([5, 6]), 1, depth + 1, depth)
+    chosen, expected_score = [], torch.zeros(batch)
+    for _ in range(depth):
+        logprobs = torch.log_softmax(torch.randn(batch, 1, sub, generator=gen), -1)
+        # the least likely column: top-k would never pick it
+        pick = logprobs.argmin(dim=-1, keepdim=True)
+        builder.step(logprobs, token_ids, children=pick)
+        chosen.append(token_ids[pick[:, 0, 0]])
+        expected_score += logprobs.gather(-1, pick)[:, 0, 0]
+    tree = builder.finalize()
+    assert torch.equal(tree.tokens[:, 1:], torch.stack(chosen, dim=1))
+    assert torch.equal(tree.parents[0], torch.tensor([-1, 0, 1, 2]))
+    assert torch.allclose(tree.scores[:, -1], expected_score)
+    with pytest.raises(ValueError, match="children"):
+        TreeBuilder(torch.tensor([5, 6]), 1, 2, 1).step(logprobs, children=pick[:1])
