@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle2 num_speculative_tokens=4 topk=4 total_tokens=16
     .venv/bin/python benchmarks/tau_quick.py HEAD_DIR eagle draft_sample_method=sample temperature=1 prompts=32
 
-``temperature=`` and ``prompts=`` (default 0 and 8) set the run; other key=value
-pairs go into the speculative config.
+``temperature=``, ``prompts=`` and ``dtype=`` (default 0, 8 and bfloat16) set the run;
+other key=value pairs go into the speculative config.
 
 Prints tau = 1 + accepted/drafts and per-depth acceptance from vLLM's own counters.
 """
@@ -30,7 +30,8 @@ def main() -> None:
         spec[k] = int(v) if v.isdigit() else v
     temperature = float(spec.pop("temperature", 0))
     num_prompts = int(spec.pop("prompts", 8))
-    llm = LLM("models/SmolLM2-135M-Instruct", speculative_config=spec, dtype="bfloat16",
+    dtype = spec.pop("dtype", "bfloat16")
+    llm = LLM("models/SmolLM2-135M-Instruct", speculative_config=spec, dtype=dtype,
               enforce_eager=True, max_model_len=2048, disable_log_stats=False)  # fmt: skip
     tok = llm.get_tokenizer()
     prompts = [
