@@ -298,10 +298,17 @@ def plot(table: list[dict], path: Path) -> None:
 def run_systems(script: str, systems: list[str], argv: list[str] | None, out: str) -> list[dict]:
     """Run ``script --worker SYSTEM`` for each system, one after the other, each in its own
     process (its own engine, nothing shared); the worker writes its rows to
-    ``OUT.SYSTEM.json``. Same environment for all: KV cache size and thread binding."""
+    ``OUT.SYSTEM.json``. Same environment for all: KV cache size, thread binding, and
+    Intel OpenMP preloaded when the venv has it (vLLM's CPU recommendation)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.exists() and "LD_PRELOAD" not in env:
+        # vLLM's CPU install guide preloads Intel OpenMP; its CPU worker warns that
+        # speculative decoding loses much without it. Every system gets the same.
+        env["LD_PRELOAD"] = str(iomp)
+    print(f"LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
     rows: list[dict] = []
     for system in systems:
         cmd = [sys.executable, script, *(argv if argv is not None else sys.argv[1:])]

@@ -9,8 +9,9 @@ figure for the same c and repetition, reported as median [min-max].
 
 For ``eagle2-auto`` (``configs/eagle2-auto.yaml``, load-aware sizing) the table
 also shows which tree sizes the sizer chose at each concurrency. Every system runs
-each load once untimed (half the tokens) before timing it: steady state, which
-for eagle2-auto includes measuring its arms at that batch size.
+each load once untimed (half the tokens, HumanEval prompts, so the timed MT-bench
+prompts meet a cold prefix cache) before timing it: steady state, which for
+eagle2-auto includes measuring its arms at that batch size.
 
 Output: ``OUT.json`` (raw), ``OUT.md`` (table), ``OUT.png`` (curve).
 """
@@ -61,6 +62,9 @@ def run_worker(system: str, args) -> list[dict]:
 
     llm = build_engine(system, args)
     prompts = _prompts("mtbench", 80, llm.get_tokenizer())
+    # warm-up loads use other prompts: a warm prefix cache would hand vanilla the whole
+    # prompt, and EAGLE all but its last block (vLLM recomputes it for the draft)
+    warm_prompts = _prompts("humaneval", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows = []
@@ -69,7 +73,8 @@ def run_worker(system: str, args) -> list[dict]:
             batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
             # steady state: the same load once untimed (eagle2-auto measures its arms)
             warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
-            llm.generate(batch, warm, use_tqdm=False)
+            warm_batch = [warm_prompts[(rep * 7 + i) % len(warm_prompts)] for i in range(c)]
+            llm.generate(warm_batch, warm, use_tqdm=False)
             before = _spec_counters(llm)
             history_len = 0
             if system == "eagle2-auto":

@@ -295,11 +295,21 @@ class EagleRunnerMixin:
         return q, mask
 
     def _sample(self, logits, spec_decode_metadata):
+        verifying = spec_decode_metadata
+        if verifying is not None and verifying.max_spec_len == 0:
+            # vLLM 0.32 builds spec-decode metadata whenever requests are scheduled with
+            # draft lists, even all empty (a drafts-off step of the sizer). Nothing to
+            # verify: vLLM's plain sampler gives the same [B, 1] tokens without the
+            # verifier's per-step setup (~18 ms at 64 requests on this CPU).
+            verifying = None
+            self.rejection_sampler.last_accepted_nodes = torch.full(
+                (len(spec_decode_metadata.num_draft_tokens), 0), -1, dtype=torch.int64
+            )
         with (
             self.timings.phase("verify"),
-            self._position_keyed_plain_sampling(spec_decode_metadata),
+            self._position_keyed_plain_sampling(verifying),
         ):
-            out = super()._sample(logits, spec_decode_metadata)
+            out = super()._sample(logits, verifying)
         if self.sizer is not None and spec_decode_metadata is not None:
             self._observe_acceptance(spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:
