@@ -22,9 +22,10 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   measured cost of any smaller arm (costs grow with nodes and passes) must beat the
   best measured arm. So at high load, where one small tree already loses to no
   drafts, the big trees are never tried. Every ``explore_every`` steps either the
-  stalest arm that could still win is re-measured, or the smallest tree runs as a
-  probe that keeps acceptance measured while speculation is off; so the table
-  follows the machine and the workload.
+  stalest arm that could still win (judged without its own, possibly stale, cost)
+  is re-measured, its old samples replaced by the fresh one, or the smallest tree
+  runs as a probe that keeps acceptance measured while speculation is off; so the
+  table follows the machine and the workload.
 
 ``(0, 1)`` is always a candidate: no drafts this step (the drafter still runs
 its first pass, which keeps the draft KV complete). As the batch grows, the
@@ -149,15 +150,22 @@ class TreeSizer:
         self.draft_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, passes) -> seconds
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
+        self._refresh: set[tuple[str, int, int]] = set()  # cost windows to restart
 
     # -- measurements ------------------------------------------------------
     def observe_verify(self, batch_size: int, nodes: int, seconds: float) -> None:
-        key = (batch_bucket(batch_size), nodes)
-        self.verify_cost.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
+        self._observe(self.verify_cost, "verify", batch_size, nodes, seconds)
 
     def observe_draft(self, batch_size: int, passes: int, seconds: float) -> None:
-        key = (batch_bucket(batch_size), passes)
-        self.draft_cost.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
+        self._observe(self.draft_cost, "draft", batch_size, passes, seconds)
+
+    def _observe(self, table: dict, kind: str, batch_size: int, size: int, seconds: float):
+        key = (batch_bucket(batch_size), size)
+        samples = table.setdefault(key, _Samples(self.window))
+        if (kind, *key) in self._refresh:
+            self._refresh.discard((kind, *key))
+            samples.samples.clear()
+        samples.add(seconds, self.steps)
 
     def observe_acceptance(self, depths, valid, accepted) -> None:
         self.acceptance.update(depths, valid, accepted)
@@ -187,6 +195,10 @@ class TreeSizer:
             # a cheap probe that keeps acceptance measured while speculation is off
             probe = (self.steps // self.explore_every) % 2 == 0
             arm = self.arms[1] if probe and len(self.arms) > 1 else self._stalest(bucket)
+            if arm is not None and not probe:
+                # its window may describe another phase of the workload (a warm-up, a
+                # burst of prefills): the fresh sample replaces it, not joins it
+                self._refresh |= {("verify", bucket, arm[1]), ("draft", bucket, arm[0])}
         if arm is None:
             measured = [a for a in self.arms if self._measured(bucket, a)]
             arm = max(measured, key=lambda a: (self.throughput(batch_size, a), -a[1], -a[0]))
@@ -197,14 +209,16 @@ class TreeSizer:
     def _measured(self, bucket: int, arm: tuple[int, int]) -> bool:
         return (bucket, arm[1]) in self.verify_cost and (bucket, arm[0]) in self.draft_cost
 
-    def _could_win(self, bucket: int, arm: tuple[int, int], best: float) -> bool:
+    def _could_win(self, bucket: int, arm: tuple[int, int], best: float, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over the largest cost measured for an arm
-        with at most as many nodes and passes (its own cost can only be higher)."""
+        with at most as many nodes and passes (its own cost can only be higher).
+        ``own=False`` leaves the arm's own measurement out, for re-measuring it: a stale
+        sample must not be what keeps an arm from being measured again."""
         floor = max(
             (
                 c
                 for other in self.arms
-                if other[0] <= arm[0] and other[1] <= arm[1]
+                if other[0] <= arm[0] and other[1] <= arm[1] and (own or other != arm)
                 and (c := self._cost(bucket, other)) is not None
             ),
             default=0.0,
@@ -229,7 +243,9 @@ class TreeSizer:
     def _stalest(self, bucket: int) -> tuple[int, int] | None:
         best = self._best_measured(bucket)
         candidates = [
-            a for a in self.arms if self._measured(bucket, a) and self._could_win(bucket, a, best)
+            a
+            for a in self.arms
+            if self._measured(bucket, a) and self._could_win(bucket, a, best, own=False)
         ]
         if not candidates:
             return None

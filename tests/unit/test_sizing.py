@@ -123,3 +123,27 @@ def test_measurements_follow_the_machine():
     history = run(sizer, engine, batch=8, steps=400, seed=2)
     arms = [tuple(h[1:]) for h in history]
     assert max(set(arms), key=arms.count) == OFF
+
+
+def test_a_stale_expensive_measurement_does_not_lock_an_arm_out():
+    """Drafts-off steps first measured in a slow phase (here 3x their cost: a warm-up, a
+    prefill burst) must be re-measured and chosen once they are the best arm; a stale
+    window must not keep the sizer on a worse arm (seen at 64 requests on CPU)."""
+
+    class SlowStart(SimulatedEngine):
+        off_calls = 0
+
+        def verify_seconds(self, batch, nodes):
+            if nodes == 1:
+                self.off_calls += 1
+                if self.off_calls <= 12:
+                    return 3 * super().verify_seconds(batch, nodes)
+            return super().verify_seconds(batch, nodes)
+
+    engine = SlowStart(rate=0.3, draft_pass=0.05, per_token=0.02)
+    truth = SimulatedEngine(rate=0.3, draft_pass=0.05, per_token=0.02)
+    assert best_arm(truth, 64, candidate_sizes(3, 1, 4)) == OFF
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    history = run(sizer, engine, batch=64, steps=400)
+    arms = [tuple(h[1:]) for h in history]
+    assert arms.count(OFF) >= 45, arms
