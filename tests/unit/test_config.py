@@ -627,6 +627,21 @@ def test_pipeline_parallelism_is_refused(models, tmp_path):
     apply_to_engine_args(args)
 
 
+def test_gpu_platforms_are_refused_before_workers_start(models, tmp_path, monkeypatch):
+    """Until the Triton tree kernel is wired into vLLM's GPU backends, a GPU engine would
+    verify trees with causal masks: refused up front, with the way out."""
+    from vllm.platforms import current_platform
+
+    d, t = str(models["draft"]), str(models["target"])
+    f = tmp_path / "spec.yaml"
+    f.write_text(f"method: eagle2\nmodel: {d}\n")
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    args = _engine_args(speculative_config=str(f), model=t)
+    with pytest.raises(EagleConfigError, match="CPU backend only.*Fix: run on CPU"):
+        apply_to_engine_args(args)
+    apply_to_engine_args(_engine_args(speculative_config=None, model=t))  # not ours
+
+
 def test_custom_logits_processors_are_refused_before_workers_start(models, tmp_path):
     d, t = str(models["draft"]), str(models["target"])
     f = tmp_path / "spec.yaml"
