@@ -90,7 +90,7 @@ CASES = [
     pytest.param("eagle2", "good", 1.0, 1.0, id="eagle2-good-T1"),
     pytest.param("eagle", "random", 0.7, 0.9, id="eagle-sampled-random-T0.7-top_p0.9"),
     pytest.param("eagle", "good", 1.0, 1.0, id="eagle-sampled-good-T1"),
-    pytest.param("eagle2", "random", 0.7, 0.9, id="eagle2-random-T0.7", marks=pytest.mark.slow),
+    pytest.param("eagle2", "random", 0.7, 0.9, id="eagle2-random-T0.7-top_p0.9"),
     pytest.param(
         "eagle-greedy", "good", 1.0, 1.0, id="eagle-greedy-good-T1", marks=pytest.mark.slow
     ),
