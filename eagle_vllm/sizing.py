@@ -151,6 +151,7 @@ class TreeSizer:
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
         self._refresh: set[tuple[str, int, int]] = set()  # cost windows to restart
+        self.pinned: tuple[int, int] | None = None  # set by the runner for benchmarks
 
     # -- measurements ------------------------------------------------------
     def observe_verify(self, batch_size: int, nodes: int, seconds: float) -> None:

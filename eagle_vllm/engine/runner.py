@@ -84,6 +84,7 @@ class EagleRunnerMixin:
         cfg = self.eagle_config
         if cfg.auto_size:
             self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens)
+            self.sizer.pinned = _pinned_size(self.sizer)
             # on a GPU a phase's wall time needs a sync, or it only counts kernel launches
             self.timings.synchronize = torch.device(self.device).type == "cuda"
         with device_context():
@@ -139,6 +140,9 @@ class EagleRunnerMixin:
         if self.sizer is None:
             return cfg.num_speculative_tokens, cfg.total_tokens
         choice = self.sizer.choose(batch_size)
+        if self.sizer.pinned is not None:  # benchmarks: one arm, still measured
+            choice = self.sizer.pinned
+            self.sizer.history[-1] = (batch_size, *choice)
         if self.parallel_config.tensor_parallel_size > 1:
             # Timings differ between ranks; every rank must draft the same tree.
             from vllm.distributed import get_tp_group
@@ -395,6 +399,27 @@ class EagleRunnerMixin:
         offsets = torch.arange(width)[None, :].expand_as(order)
         self.positions[dst] = (tb.root_pos[:, None] + offsets)[valid]
         return hidden_states
+
+
+def _pinned_size(sizer: TreeSizer) -> tuple[int, int] | None:
+    """``EAGLE_VLLM_SIZER_PIN="passes,nodes"``: every step uses that arm of the auto sizer
+    (e.g. ``0,1``: drafts off). For benchmarks that time one arm end to end
+    (``benchmarks/step_profile.py``); the sizer keeps measuring."""
+    import os
+
+    value = os.environ.get("EAGLE_VLLM_SIZER_PIN")
+    if not value:
+        return None
+    try:
+        arm = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        arm = ()
+    if arm not in sizer.arms:
+        raise ValueError(
+            f"EAGLE_VLLM_SIZER_PIN={value!r} is not one of the sizer's arms "
+            f"{[f'{d},{m}' for d, m in sizer.arms]}. Fix: pick one, or unset it."
+        )
+    return arm
 
 
 def _decode_only(scheduler_output) -> bool:

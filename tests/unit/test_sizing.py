@@ -147,3 +147,19 @@ def test_a_stale_expensive_measurement_does_not_lock_an_arm_out():
     history = run(sizer, engine, batch=64, steps=400)
     arms = [tuple(h[1:]) for h in history]
     assert arms.count(OFF) >= 45, arms
+
+
+def test_benchmark_pin_must_name_an_arm(monkeypatch):
+    import pytest
+
+    from eagle_vllm.engine.runner import _pinned_size
+
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4)
+    monkeypatch.delenv("EAGLE_VLLM_SIZER_PIN", raising=False)
+    assert _pinned_size(sizer) is None
+    monkeypatch.setenv("EAGLE_VLLM_SIZER_PIN", "0,1")
+    assert _pinned_size(sizer) == OFF
+    for bad in ("5,9", "x"):
+        monkeypatch.setenv("EAGLE_VLLM_SIZER_PIN", bad)
+        with pytest.raises(ValueError, match="EAGLE_VLLM_SIZER_PIN.*Fix"):
+            _pinned_size(sizer)
