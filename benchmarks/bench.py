@@ -295,6 +295,24 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def check_systems(systems: list[str], known) -> None:
+    """Refuse unknown systems, and runs without vanilla (every ratio is against it)."""
+    for system in systems:
+        if system not in known:
+            raise SystemExit(f"error: --systems: unknown '{system}' (use {', '.join(known)})")
+    if "vanilla" not in systems:
+        raise SystemExit("error: --systems must include vanilla: every ratio is against it")
+
+
+def run_as_worker(args, run_worker) -> bool:
+    """In a ``--worker SYSTEM`` child: run it and write its rows for ``run_systems``."""
+    if not args.worker:
+        return False
+    rows = run_worker(args.worker, args)
+    Path(args.out + f".{args.worker}.json").write_text(json.dumps(rows))
+    return True
+
+
 def run_systems(script: str, systems: list[str], argv: list[str] | None, out: str) -> list[dict]:
     """Run ``script --worker SYSTEM`` for each system, one after the other, each in its own
     process (its own engine, nothing shared); the worker writes its rows to
@@ -351,16 +369,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.cpu = current_platform.is_cpu()
 
-    if args.worker:
-        rows = run_worker(args.worker, args)
-        Path(args.out + f".{args.worker}.json").write_text(json.dumps(rows))
+    if run_as_worker(args, run_worker):
         return 0
-
-    for system in args.systems:
-        if system not in SYSTEMS:
-            raise SystemExit(f"error: --systems: unknown '{system}' (use {', '.join(SYSTEMS)})")
-    if "vanilla" not in args.systems:
-        raise SystemExit("error: --systems must include vanilla: every ratio is against it")
+    check_systems(args.systems, SYSTEMS)
     for path, what in ((args.target, "--target"), (args.head, "--head")):
         if not Path(path).is_dir():
             raise SystemExit(

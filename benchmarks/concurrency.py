@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import _fmt, _prompts, _spec_counters, run_systems  # noqa: E402
+from bench import _fmt, _prompts, _spec_counters, check_systems, run_as_worker, run_systems  # noqa: E402
 
 SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
 
@@ -180,15 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    for system in args.systems:
-        if system not in SYSTEMS:
-            raise SystemExit(f"error: --systems: unknown '{system}' (use {', '.join(SYSTEMS)})")
-    if "vanilla" not in args.systems:
-        raise SystemExit("error: --systems must include vanilla: every ratio is against it")
-
-    if args.worker:
-        rows = run_worker(args.worker, args)
-        Path(args.out + f".{args.worker}.json").write_text(json.dumps(rows))
+    check_systems(args.systems, SYSTEMS)
+    if run_as_worker(args, run_worker):
         return 0
 
     started = time.time()

@@ -106,6 +106,8 @@ class EagleTreeProposer(EagleProposer):
         self._runner = runner
         # (draft passes, tree nodes) of the last propose, for the runner's sizer
         self.last_size: tuple[int, int] = (0, 1)
+        self._last_q_rows: list[torch.Tensor] = []
+        self._last_q_token_ids: torch.Tensor | None = None
         # Draws for sampled drafts. One generator, seeded alike on every rank and
         # consumed alike, so tensor-parallel ranks draft identical tokens.
         self._draft_rng = torch.Generator(device=device).manual_seed(
@@ -218,7 +220,7 @@ class EagleTreeProposer(EagleProposer):
         self.last_drafts = DraftedTrees(req_ids=req_ids, tree=tree)
         if temperatures is not None:
             self.last_drafts.sampled = temperatures > 0
-            self.last_drafts.draft_q = self._last_q
+            self.last_drafts.draft_q = torch.stack(self._last_q_rows, dim=1)  # [B, passes, V]
             self.last_drafts.q_token_ids = self._last_q_token_ids
         drafts = tree.tokens[:, 1 : num_drafts + 1]
         if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)
@@ -280,19 +282,19 @@ class EagleTreeProposer(EagleProposer):
         """Expand (``depth`` draft passes) and rerank a tree per request, from the root's
         draft output. ``temperatures`` [B] (chains only): sample each draft from the
         draft distribution at that temperature (0: argmax); the q rows are kept in
-        ``self._last_q`` for the verifier."""
+        ``self._last_q_rows`` for the verifier."""
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
         builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
         q_rows: list[torch.Tensor] = []
+        self._last_q_rows = q_rows  # node j's child distribution, stacked by propose
 
         def expand(logprobs: torch.Tensor, token_ids: torch.Tensor | None) -> None:
             if temperatures is None:
                 builder.step(logprobs, token_ids)
                 return
             children, q = self._choose_children(logprobs, temperatures)
-            q_rows.append(q[:, 0])
-            self._last_q = torch.stack(q_rows, dim=1)  # [B, passes so far, V]
+            q_rows.append(q[:, 0])  # chains: one frontier row per pass
             self._last_q_token_ids = token_ids
             builder.step(logprobs, token_ids, children=children)
 
