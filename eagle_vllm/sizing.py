@@ -27,9 +27,11 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   runs as a probe that keeps acceptance measured while speculation is off; so the
   table follows the machine and the workload.
 
-``(0, 1)`` is always a candidate: no drafts this step (the drafter still runs
-its first pass, which keeps the draft KV complete). As the batch grows, the
-verify cost of extra tokens rises and the chosen tree shrinks, down to none.
+``(0, 1)`` is always a candidate: no drafts this step. After a plain decode step
+the runner then skips the drafter and defers its first pass (the draft KV is
+written later, many positions per forward), so a drafts-off step costs about
+what a step of vanilla vLLM costs. As the batch grows, the verify cost of extra
+tokens rises and the chosen tree shrinks, down to none.
 """
 
 from __future__ import annotations

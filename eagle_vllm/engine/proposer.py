@@ -17,7 +17,13 @@ One code path serves both methods; a chain is a tree with ``topk = 1``.
    are handed to vLLM's scheduler as this request's draft tokens.
 
 With ``total_tokens: auto`` the runner's ``TreeSizer`` (``sizing.py``) picks each
-step's number of passes and nodes, possibly none: then only the first pass runs.
+step's number of passes and nodes, possibly none. In a plain decode step with none,
+the runner skips the drafter altogether and the first pass's inputs (the new
+token and the target's feature) are kept per request (``defer_first_pass``); the
+draft KV of those positions is written later in one batched forward
+(``catch_up``): before any first pass of that request, and whenever a request has
+``MAX_DEFERRED_TOKENS`` waiting, so every full KV block (what prefix caching may
+share) has its draft KV within a few steps.
 
 Touches vLLM 0.32 internals: ``EagleProposer`` first-pass helpers
 (``set_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
@@ -41,6 +47,23 @@ from eagle_vllm.config import EagleSpecConfig
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder
 from eagle_vllm.tree.layout import DraftTree
+
+MAX_DEFERRED_TOKENS = 32  # per request; two 16-token blocks
+
+
+@dataclass
+class _DeferredFirstPass:
+    """First-pass inputs of skipped steps: the draft KV of position ``start + i`` needs
+    ``tokens[i]`` (the token at the next position) and ``features[i]`` (the target's
+    feature at this one)."""
+
+    start: int
+    tokens: list[int]
+    features: list[torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 @dataclass
@@ -113,6 +136,8 @@ class EagleTreeProposer(EagleProposer):
         self._draft_rng = torch.Generator(device=device).manual_seed(
             vllm_config.model_config.seed or 0
         )
+        self._deferred: dict[str, _DeferredFirstPass] = {}
+        self.caught_up_positions = 0  # draft KV positions written by catch_up, in all
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -304,14 +329,7 @@ class EagleTreeProposer(EagleProposer):
 
         layers = self._draft_layers()
         prefix_lens = root_positions + 1  # draft KV at positions <= root's
-        max_prefix = int(prefix_lens.max())
-        shims = []
-        for layer in layers:
-            attn = layer.self_attn.attn
-            kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-            check_cpu_isa(getattr(attn, "isa", "unknown"))
-            prefix_k, prefix_v = gather_cpu_kv(kv_cache, block_table, max_prefix)
-            shims.append(_TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, batch))
+        shims = _prefix_attention_shims(layers, block_table, prefix_lens)
 
         max_position = self.max_model_len - 1
         node_hidden = root_hidden[:, None, :]
@@ -345,11 +363,122 @@ class EagleTreeProposer(EagleProposer):
                 expand(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
         return builder.finalize(pad_to=total_tokens)
 
+    # -- drafts-off steps: deferred first passes ------------------------------
+    def defer_first_pass(
+        self,
+        req_ids: list[str],
+        positions: torch.Tensor,
+        next_tokens: torch.Tensor,
+        features: torch.Tensor,
+    ) -> bool:
+        """Keep a skipped first pass's inputs: request b's draft KV at ``positions[b]``
+        needs ``next_tokens[b]`` and ``features[b]``. True when a request now has
+        ``MAX_DEFERRED_TOKENS`` waiting (the caller should ``catch_up``)."""
+        live = self._runner.requests
+        for req_id in [r for r in self._deferred if r not in live]:
+            del self._deferred[req_id]  # finished or aborted: its blocks are gone
+        features = features.detach().clone()  # the runner reuses its buffers
+        full = False
+        for b, (req_id, pos, token) in enumerate(
+            zip(req_ids, positions.tolist(), next_tokens.tolist())
+        ):
+            pending = self._deferred.get(req_id)
+            if pending is None or pending.end != pos:
+                # nothing kept, or positions recomputed since (preemption): the first
+                # pass of the recomputation wrote the draft KV before ``pos``
+                pending = self._deferred[req_id] = _DeferredFirstPass(pos, [], [])
+            pending.tokens.append(int(token))
+            pending.features.append(features[b])
+            full |= len(pending.tokens) >= MAX_DEFERRED_TOKENS
+        return full
+
+    def deferred_tokens(self, req_id: str) -> int:
+        pending = self._deferred.get(req_id)
+        return 0 if pending is None else len(pending.tokens)
+
+    @torch.inference_mode()
+    def catch_up(
+        self, req_ids: list[str], next_positions: torch.Tensor, block_table: torch.Tensor
+    ) -> int:
+        """Write the draft KV of every deferred position of these requests (batch rows),
+        in one forward; ``next_positions[b]``: request b's first position not deferred
+        (a request whose deferred run does not end there was recomputed and is
+        dropped). Returns the number of positions written."""
+        rows, kept = [], []
+        for b, (req_id, nxt) in enumerate(zip(req_ids, next_positions.tolist())):
+            pending = self._deferred.pop(req_id, None)
+            if pending is not None and pending.end == nxt:
+                rows.append(b)
+                kept.append(pending)
+        if not rows:
+            return 0
+        device = kept[0].features[0].device
+        lengths = torch.tensor([len(p.tokens) for p in kept], dtype=torch.int64)
+        starts = torch.tensor([p.start for p in kept], dtype=torch.int64)
+        width = int(lengths.max())
+        tokens = torch.zeros(len(kept), width, dtype=torch.int64)
+        features = torch.zeros(len(kept), width, kept[0].features[0].shape[-1],
+                               dtype=kept[0].features[0].dtype, device=device)  # fmt: skip
+        for i, pending in enumerate(kept):
+            tokens[i, : len(pending.tokens)] = torch.tensor(pending.tokens)
+            features[i, : len(pending.tokens)] = torch.stack(pending.features)
+        valid = torch.arange(width)[None, :] < lengths[:, None]  # [R, W]
+        # each deferred position sees the draft KV before its run (paged cache) and the
+        # run's earlier positions (causal)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = (causal[None] & valid[:, None, :]).to(device)
+        positions = (starts[:, None] + torch.arange(width)[None, :]).clamp(
+            max=self.max_model_len - 1
+        )
+        table = block_table[torch.tensor(rows)]
+        layers = self._draft_layers()
+        shims = _prefix_attention_shims(layers, table, starts.to(device))
+        for shim in shims:
+            shim.mask = mask
+        x = self.model.combine_features(
+            tokens.to(device).reshape(-1), features.reshape(-1, features.shape[-1])
+        )
+        residual = None
+        with _swapped_attention(layers, shims):
+            for layer in layers:
+                x, residual = layer(positions.to(device).reshape(-1), x, residual)
+        written = positions[valid]
+        table_rows = torch.arange(len(rows))[:, None].expand_as(positions)[valid]
+        for layer, shim in zip(layers, shims):
+            attn = layer.self_attn.attn
+            kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+            block_size = kv_cache.shape[2]  # the CPU layout [blocks, heads, block, 2*dim]
+            slots = table[table_rows, written // block_size].long() * block_size + (
+                written % block_size
+            )
+            attn.impl.do_kv_cache_update(
+                attn, shim.node_k[valid.to(device)], shim.node_v[valid.to(device)], kv_cache,
+                slots.to(device),
+            )  # fmt: skip
+        self.caught_up_positions += int(valid.sum())
+        return int(valid.sum())
+
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):
         """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids."""
         logits, token_ids = self.model.draft_logits(hidden)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return logprobs.view(-1, width, logprobs.shape[-1]), token_ids
+
+
+def _prefix_attention_shims(
+    layers: list[nn.Module], block_table: torch.Tensor, prefix_lens: torch.Tensor
+) -> list[_TreeNodeAttention]:
+    """One ``_TreeNodeAttention`` per draft layer over each request's draft KV of
+    positions ``< prefix_lens`` (read from the paged cache)."""
+    max_prefix = max(1, int(prefix_lens.max()))
+    shims = []
+    for layer in layers:
+        attn = layer.self_attn.attn
+        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+        check_cpu_isa(getattr(attn, "isa", "unknown"))
+        prefix_k, prefix_v = gather_cpu_kv(kv_cache, block_table, max_prefix)
+        shims.append(_TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, len(block_table)))
+    return shims
 
 
 @contextlib.contextmanager

@@ -21,7 +21,9 @@ and, when trees are drafted (``topk > 1``), wraps five runner methods:
 
 With ``total_tokens: auto`` the runner also feeds a ``TreeSizer`` (``sizing.py``):
 the wall time of each step's phases and which tree nodes were accepted; the
-drafter asks it for the next step's tree size (``choose_tree_size``).
+drafter asks it for the next step's tree size (``choose_tree_size``). When the
+sizer switches drafts off after a plain decode step, the drafter is skipped and
+its first pass deferred (``_defer_drafting``; the drafter catches up later).
 
 Scheduling, batching, KV allocation, bookkeeping and metrics stay vLLM's.
 """
@@ -79,6 +81,7 @@ class EagleRunnerMixin:
         self.timings = StepTimings()
         self.sizer = None
         self._step_clock: dict[str, float] = {}
+        self._planned_size: tuple[int, int] | None = None
         if self.eagle_config is None or self.speculative_config is None:
             return
         cfg = self.eagle_config
@@ -139,6 +142,9 @@ class EagleRunnerMixin:
         cfg = self.eagle_config
         if self.sizer is None:
             return cfg.num_speculative_tokens, cfg.total_tokens
+        if self._planned_size is not None:  # decided earlier in this step
+            choice, self._planned_size = self._planned_size, None
+            return choice
         choice = self.sizer.choose(batch_size)
         if self.sizer.pinned is not None:  # benchmarks: one arm, still measured
             choice = self.sizer.pinned
@@ -361,19 +367,74 @@ class EagleRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):  # fmt: skip
         with self.timings.phase("draft") as clock:
-            tb = self.tree_batch
-            if tb is not None:
-                hidden_states = self._accepted_path_as_chain(tb, hidden_states)
-            out = super().propose_draft_token_ids(
-                scheduler_output,
-                sampled_token_ids,
-                sampling_metadata,
-                hidden_states,
-                *args,
-                **kwargs,
-            )
+            if self._skips_drafter(scheduler_output):
+                out = self._defer_drafting(scheduler_output, sampled_token_ids, hidden_states)
+            else:
+                tb = self.tree_batch
+                if tb is not None:
+                    hidden_states = self._accepted_path_as_chain(tb, hidden_states)
+                out = super().propose_draft_token_ids(
+                    scheduler_output,
+                    sampled_token_ids,
+                    sampling_metadata,
+                    hidden_states,
+                    *args,
+                    **kwargs,
+                )
         self._step_clock["draft"] = clock.seconds
         return out
+
+    def _skips_drafter(self, scheduler_output) -> bool:
+        """Auto sizing: decide the next step's tree now. No drafts after a plain decode
+        step: the drafter is skipped. Otherwise it runs, after writing any draft KV it
+        deferred for these requests (its first pass reads it)."""
+        if self.sizer is None:
+            return False
+        self._planned_size = self.choose_tree_size(self.input_batch.num_reqs)
+        if self._planned_size[0] == 0 and _plain_decode(scheduler_output):
+            self._planned_size = None
+            return True
+        self._catch_up_draft_kv(first_positions=self._first_scheduled_positions())
+        return False
+
+    def _defer_drafting(self, scheduler_output, sampled_token_ids, hidden_states) -> torch.Tensor:
+        """A plain decode step before a drafts-off step: skip the drafter and keep what its
+        first pass needed (one position per request); the drafter writes that draft KV
+        later, many positions per forward. Returns no drafts."""
+        drafter = self.drafter
+        num_reqs = self.input_batch.num_reqs
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
+        if isinstance(sampled_token_ids, list):
+            next_tokens = drafter.prepare_next_token_ids_cpu(
+                sampled_token_ids,
+                self.requests,
+                self.input_batch,
+                scheduler_output.num_scheduled_tokens,
+            )
+        else:  # one sampled token per request: no drafts were verified
+            next_tokens = sampled_token_ids[:num_reqs, 0]
+        positions = self.positions[:num_reqs].to("cpu", torch.int64)  # one token per request
+        full = drafter.defer_first_pass(req_ids, positions, next_tokens, hidden_states[:num_reqs])
+        if full:  # bound what waits: every full KV block gets its draft KV soon
+            self._catch_up_draft_kv(first_positions=positions + 1)
+        drafter.last_size = (0, 1)
+        drafter.last_drafts = None
+        return torch.empty(num_reqs, 0, dtype=torch.int64, device=hidden_states.device)
+
+    def _catch_up_draft_kv(self, first_positions: torch.Tensor) -> None:
+        """Write the deferred draft KV of this step's requests (``first_positions[b]``: the
+        first position of request b not deferred)."""
+        num_reqs = self.input_batch.num_reqs
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
+        if not any(self.drafter.deferred_tokens(r) for r in req_ids):
+            return
+        block_table = self.input_batch.block_table[0].block_table.cpu[:num_reqs]
+        self.drafter.catch_up(req_ids, first_positions, block_table)
+
+    def _first_scheduled_positions(self) -> torch.Tensor:
+        num_reqs = self.input_batch.num_reqs
+        starts = self.query_start_loc.cpu[:num_reqs].to(torch.int64)
+        return self.positions.to("cpu", torch.int64)[starts]
 
     def _accepted_path_as_chain(self, tb: TreeBatch, hidden_states: torch.Tensor) -> torch.Tensor:
         """Reorder each tree's rows to [root, accepted path..., the rest] and make positions
@@ -420,6 +481,14 @@ def _pinned_size(sizer: TreeSizer) -> tuple[int, int] | None:
             f"{[f'{d},{m}' for d, m in sizer.arms]}. Fix: pick one, or unset it."
         )
     return arm
+
+
+def _plain_decode(scheduler_output) -> bool:
+    """Whether every request was scheduled exactly one token and no drafts."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return not any(spec.values()) and all(
+        n == 1 for n in scheduler_output.num_scheduled_tokens.values()
+    )
 
 
 def _decode_only(scheduler_output) -> bool:

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--regen-max-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
+    p.add_argument(
+        "--regen-dtype",
+        choices=["bfloat16", "float32"],
+        default="float32",
+        help="dtype of the regeneration run (float32: CPUs without AVX-512 BF16 run it faster)",
+    )
     p.add_argument("--features-dir", default=None, help="feature cache (default OUT/features)")
     p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> Path:
                 max_tokens=args.regen_max_tokens,
                 temperature=args.regen_temperature,
                 seed=args.seed,
+                dtype=args.regen_dtype,
             )
         conv_file.write_text("".join(json.dumps(c) + "\n" for c in convs))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
