@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint reference-head ablation-head
+.PHONY: setup test test-slow lint bench reference-head ablation-head
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,17 @@ test-slow:
 lint:
 	$(VENV)/bin/ruff check eagle_vllm tests benchmarks examples
 	$(VENV)/bin/ruff format --check eagle_vllm tests benchmarks examples
+
+# Every figure of BENCHMARKS.md in one command (about an hour on 2 cores): the side-by-side
+# table and plot (vanilla, ngram, vLLM's EAGLE, ours: chain, tree, auto) on MT-bench and
+# HumanEval at batch 1/4/16 and T=0/1, then throughput against concurrency 1 -> 64.
+# fp32: this CPU has no AVX-512 BF16, and vLLM's bf16 linear falls back to slow torch GEMMs.
+bench:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(PY) benchmarks/bench.py --dtype float32 --batch-sizes 1,4,16 --temperatures 0,1 \
+		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/smollm2-cpu
+	$(PY) benchmarks/concurrency.py --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
+		--max-tokens 64 --reps 2 --out benchmarks/results/concurrency-cpu
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact command that
 # made it. Resumable: rerunning continues from heads/.../state.pt and the cached features.

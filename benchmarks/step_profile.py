@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import _fmt, _prompts, check_systems, run_as_worker, run_systems  # noqa: E402
 
 PINS = {"vanilla": None, "off": "0,1", "one-draft": "1,2", "auto": None}
-PHASES = ("target_forward", "verify", "draft", "execute_model", "sample_tokens")
+PHASES = ("target_forward", "verify", "draft", "draft_catch_up", "execute_model", "sample_tokens")
 
 
 def run_worker(system: str, args) -> list[dict]:

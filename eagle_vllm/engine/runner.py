@@ -381,7 +381,9 @@ class EagleRunnerMixin:
                     *args,
                     **kwargs,
                 )
-        self._step_clock["draft"] = clock.seconds
+        # deferred draft KV written in this step is the cost of earlier drafts-off steps,
+        # not of this step's tree: keep it out of the sizer's draft cost
+        self._step_clock["draft"] = clock.seconds - self._step_clock.get("catch_up", 0.0)
         return out
 
     def _skips_drafter(self, scheduler_output) -> bool:
@@ -429,7 +431,9 @@ class EagleRunnerMixin:
         if not any(self.drafter.deferred_tokens(r) for r in req_ids):
             return
         block_table = self.input_batch.block_table[0].block_table.cpu[:num_reqs]
-        self.drafter.catch_up(req_ids, first_positions, block_table)
+        with self.timings.phase("draft_catch_up") as clock:
+            self.drafter.catch_up(req_ids, first_positions, block_table)
+        self._step_clock["catch_up"] = self._step_clock.get("catch_up", 0.0) + clock.seconds
 
     def _first_scheduled_positions(self) -> torch.Tensor:
         num_reqs = self.input_batch.num_reqs
