@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import _fmt, _prompts, check_systems, run_as_worker, run_systems  # noqa: E402
 
-PINS = {"vanilla": None, "off": "0,1", "one-draft": "1,2", "auto": None}
+# vanilla-timed: vanilla vLLM (no speculation) on the plugin's worker, whose runner times
+# the same phases: a vanilla step's target forward beside the plugin's drafts-off step
+PINS = {"vanilla": None, "vanilla-timed": None, "off": "0,1", "one-draft": "1,2", "auto": None}
 PHASES = ("target_forward", "verify", "draft", "draft_catch_up", "execute_model", "sample_tokens")
 
 
@@ -46,6 +48,12 @@ def run_worker(system: str, args) -> list[dict]:
         import vllm
 
         llm = vllm.LLM(args.target, **common)
+    elif system == "vanilla-timed":
+        import vllm
+
+        from eagle_vllm.config import WORKER_CLS
+
+        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, **common)
     else:
         from eagle_vllm import LLM
 

@@ -21,9 +21,9 @@ step's number of passes and nodes, possibly none. In a plain decode step with no
 the runner skips the drafter altogether and the first pass's inputs (the new
 token and the target's feature) are kept per request (``defer_first_pass``); the
 draft KV of those positions is written later in one batched forward
-(``catch_up``): before any first pass of that request, and whenever a request has
-``MAX_DEFERRED_TOKENS`` waiting, so every full KV block (what prefix caching may
-share) has its draft KV within a few steps.
+(``catch_up``): before any first pass of that request, and when a request has
+``MAX_DEFERRED_TOKENS`` waiting. A request that finishes while drafts are off
+never pays for them.
 
 Touches vLLM 0.32 internals: ``EagleProposer`` first-pass helpers
 (``set_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
@@ -48,7 +48,11 @@ from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder
 from eagle_vllm.tree.layout import DraftTree
 
-MAX_DEFERRED_TOKENS = 32  # per request; two 16-token blocks
+# Deferred positions a request may collect before they are written anyway. Large, so a
+# request that finishes while drafts are off (high load) usually never pays for them;
+# bounded, for memory (one feature per position) and because KV blocks filled meanwhile
+# may be shared by prefix caching, without their draft KV (drafts only: never outputs).
+MAX_DEFERRED_TOKENS = 128
 
 
 @dataclass
@@ -137,6 +141,7 @@ class EagleTreeProposer(EagleProposer):
             vllm_config.model_config.seed or 0
         )
         self._deferred: dict[str, _DeferredFirstPass] = {}
+        self.max_deferred_tokens = MAX_DEFERRED_TOKENS
         self.caught_up_positions = 0  # draft KV positions written by catch_up, in all
 
     # -- loading -----------------------------------------------------------
@@ -373,7 +378,7 @@ class EagleTreeProposer(EagleProposer):
     ) -> bool:
         """Keep a skipped first pass's inputs: request b's draft KV at ``positions[b]``
         needs ``next_tokens[b]`` and ``features[b]``. True when a request now has
-        ``MAX_DEFERRED_TOKENS`` waiting (the caller should ``catch_up``)."""
+        ``max_deferred_tokens`` waiting (the caller should ``catch_up``)."""
         live = self._runner.requests
         for req_id in [r for r in self._deferred if r not in live]:
             del self._deferred[req_id]  # finished or aborted: its blocks are gone
@@ -389,7 +394,7 @@ class EagleTreeProposer(EagleProposer):
                 pending = self._deferred[req_id] = _DeferredFirstPass(pos, [], [])
             pending.tokens.append(int(token))
             pending.features.append(features[b])
-            full |= len(pending.tokens) >= MAX_DEFERRED_TOKENS
+            full |= len(pending.tokens) >= self.max_deferred_tokens
         return full
 
     def deferred_tokens(self, req_id: str) -> int:

@@ -417,7 +417,7 @@ class EagleRunnerMixin:
             next_tokens = sampled_token_ids[:num_reqs, 0]
         positions = self.positions[:num_reqs].to("cpu", torch.int64)  # one token per request
         full = drafter.defer_first_pass(req_ids, positions, next_tokens, hidden_states[:num_reqs])
-        if full:  # bound what waits: every full KV block gets its draft KV soon
+        if full:  # bound what waits (memory)
             self._catch_up_draft_kv(first_positions=positions + 1)
         drafter.last_size = (0, 1)
         drafter.last_drafts = None

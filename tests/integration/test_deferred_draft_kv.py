@@ -1,8 +1,8 @@
 """Drafts-off steps skip the drafter (total_tokens: auto); its draft KV is written later.
 
 A request decoded with drafts off (the sizer pinned to (0, 1)) defers each step's
-first pass; the drafter writes those positions when 32 are waiting and before
-drafting resumes. Its draft KV must then equal, position by position, what a
+first pass; the drafter writes those positions when enough are waiting (16 here)
+and before drafting resumes. Its draft KV must then equal, position by position, what a
 drafter that never skips wrote for the same tokens (method eagle, fixed size).
 """
 
@@ -36,6 +36,10 @@ def _read_draft_kv(worker) -> dict:
         "tokens": list(state.output_token_ids),
         "caught_up": getattr(runner.drafter, "caught_up_positions", 0),
     }
+
+
+def _cap_deferred(worker):
+    worker.model_runner.drafter.max_deferred_tokens = 16
 
 
 def _pin(arm):
@@ -88,8 +92,9 @@ def test_deferred_draft_kv_equals_the_drafters_own(tiny, insecure_rpc, monkeypat
     llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
     try:
         assert os.environ["EAGLE_VLLM_SIZER_PIN"] == "0,1"
+        llm.collective_rpc(_cap_deferred)
         _start(llm)
-        _step_until(llm, 45)  # one catch-up at 32 waiting, then 12 more deferred
+        _step_until(llm, 45)  # catch-ups at 16 and 32 waiting, then 12 more deferred
         off = llm.collective_rpc(_read_draft_kv)[0]
         llm.collective_rpc(_pin((1, 2)))  # drafting resumes: the rest is written first
         _step_until(llm, 60)
@@ -100,6 +105,7 @@ def test_deferred_draft_kv_equals_the_drafters_own(tiny, insecure_rpc, monkeypat
     n = min(got["k"].shape[0], want["k"].shape[0])
     assert n >= len(PROMPT.split()) + 55
     assert got["tokens"][:50] == want["tokens"][:50]  # greedy: the same text
+    assert off["caught_up"] >= 32, off["caught_up"]  # the cap wrote them while off
     assert got["caught_up"] >= 44, got["caught_up"]
     torch.testing.assert_close(got["k"][:n], want["k"][:n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got["v"][:n], want["v"][:n], atol=1e-4, rtol=1e-4)
