@@ -164,7 +164,9 @@ class EagleRunnerMixin:
             return
         sizer.observe_draft(step["batch"], step["passes"], step["draft"])
         if step["decode_only"]:  # a prefill chunk would be charged to the tree
-            sizer.observe_verify(step["batch"], step["verified_nodes"], period - step["draft"])
+            # deferred draft KV written in this step belongs to earlier steps, not this tree
+            rest = period - step["draft"] - step.get("catch_up", 0.0)
+            sizer.observe_verify(step["batch"], step["verified_nodes"], rest)
 
     def _observe_acceptance(self, metadata) -> None:
         """Which node of each verified tree was accepted, for the sizer's acceptance rates."""

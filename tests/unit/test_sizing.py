@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle_vllm.sizing import OFF, AcceptanceStats, TreeSizer, batch_bucket, candidate_sizes
@@ -163,3 +164,19 @@ def test_benchmark_pin_must_name_an_arm(monkeypatch):
         monkeypatch.setenv("EAGLE_VLLM_SIZER_PIN", bad)
         with pytest.raises(ValueError, match="EAGLE_VLLM_SIZER_PIN.*Fix"):
             _pinned_size(sizer)
+
+
+def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
+    """A step that writes draft KV deferred by earlier drafts-off steps (catch_up) must
+    not make its own tree look dearer: neither its drafting nor the rest of its step."""
+    from types import SimpleNamespace
+
+    from eagle_vllm.engine.runner import EagleRunnerMixin
+
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    runner = SimpleNamespace(sizer=sizer)
+    step = {"batch": 4, "passes": 1, "draft": 0.002, "catch_up": 0.050, "verified_nodes": 2,
+            "decode_only": True}  # fmt: skip
+    EagleRunnerMixin._observe_step_costs(runner, step, period=0.062)
+    assert sizer.draft_cost[(4, 1)].value == pytest.approx(0.002)
+    assert sizer.verify_cost[(4, 2)].value == pytest.approx(0.010)
