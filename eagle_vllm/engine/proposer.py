@@ -397,9 +397,10 @@ class EagleTreeProposer(EagleProposer):
             full |= len(pending.tokens) >= self.max_deferred_tokens
         return full
 
-    def deferred_tokens(self, req_id: str) -> int:
-        pending = self._deferred.get(req_id)
-        return 0 if pending is None else len(pending.tokens)
+    @property
+    def has_deferred(self) -> bool:
+        """Whether any request has deferred positions (cheap: checked every drafting step)."""
+        return bool(self._deferred)
 
     @torch.inference_mode()
     def catch_up(
@@ -447,6 +448,7 @@ class EagleTreeProposer(EagleProposer):
         with _swapped_attention(layers, shims):
             for layer in layers:
                 x, residual = layer(positions.to(device).reshape(-1), x, residual)
+        valid_rows = valid.to(device)
         written = positions[valid]
         table_rows = torch.arange(len(rows))[:, None].expand_as(positions)[valid]
         for layer, shim in zip(layers, shims):
@@ -457,7 +459,7 @@ class EagleTreeProposer(EagleProposer):
                 written % block_size
             )
             attn.impl.do_kv_cache_update(
-                attn, shim.node_k[valid.to(device)], shim.node_v[valid.to(device)], kv_cache,
+                attn, shim.node_k[valid_rows], shim.node_v[valid_rows], kv_cache,
                 slots.to(device),
             )  # fmt: skip
         self.caught_up_positions += int(valid.sum())

@@ -398,7 +398,8 @@ class EagleRunnerMixin:
         if self._planned_size[0] == 0 and _plain_decode(scheduler_output):
             self._planned_size = None
             return True
-        self._catch_up_draft_kv(first_positions=self._first_scheduled_positions())
+        if self.drafter.has_deferred:  # its first pass reads the deferred positions
+            self._catch_up_draft_kv(first_positions=self._first_scheduled_positions())
         return False
 
     def _defer_drafting(self, scheduler_output, sampled_token_ids, hidden_states) -> torch.Tensor:
@@ -430,8 +431,6 @@ class EagleRunnerMixin:
         first position of request b not deferred)."""
         num_reqs = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:num_reqs])
-        if not any(self.drafter.deferred_tokens(r) for r in req_ids):
-            return
         block_table = self.input_batch.block_table[0].block_table.cpu[:num_reqs]
         with self.timings.phase("draft_catch_up") as clock:
             self.drafter.catch_up(req_ids, first_positions, block_table)
