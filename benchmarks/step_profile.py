@@ -8,7 +8,9 @@ Systems (each its own engine process, same settings, ``bench.run_systems``):
 * ``off``: ``configs/eagle2-auto.yaml`` with every step pinned to no drafts
   (``EAGLE_VLLM_SIZER_PIN=0,1``): the plugin's overhead when speculation is off;
 * ``one-draft``: pinned to one draft pass and a 2-node tree (``1,2``);
-* ``auto``: the sizer's own choice.
+* ``auto``: the sizer's own choice;
+* ``vanilla-timed`` / ``ngram-timed``: vanilla vLLM / vLLM's ngram set never to match, on
+  the plugin's worker, so their runner times the same phases (diagnostics for ``off``).
 
 For each concurrency c, c MT-bench first turns are decoded to ``--max-tokens`` after an
 untimed warm-up on HumanEval prompts (cold prefix cache for the timed prompts). Reports
@@ -33,7 +35,16 @@ from bench import _fmt, _prompts, check_systems, run_as_worker, run_systems  # n
 
 # vanilla-timed: vanilla vLLM (no speculation) on the plugin's worker, whose runner times
 # the same phases: a vanilla step's target forward beside the plugin's drafts-off step
-PINS = {"vanilla": None, "vanilla-timed": None, "off": "0,1", "one-draft": "1,2", "auto": None}
+# ngram-timed: the same, with vLLM's ngram speculation set so it never finds a match (a
+# 40-token n-gram): vLLM's spec-decode path without a draft model, beside ``off``
+PINS = {
+    "vanilla": None,
+    "vanilla-timed": None,
+    "ngram-timed": None,
+    "off": "0,1",
+    "one-draft": "1,2",
+    "auto": None,
+}
 PHASES = ("target_forward", "verify", "draft", "draft_catch_up", "execute_model", "sample_tokens")
 
 
@@ -54,6 +65,14 @@ def run_worker(system: str, args) -> list[dict]:
         from eagle_vllm.config import WORKER_CLS
 
         llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, **common)
+    elif system == "ngram-timed":
+        import vllm
+
+        from eagle_vllm.config import WORKER_CLS
+
+        never = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 40,
+                 "prompt_lookup_max": 40}  # fmt: skip
+        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, speculative_config=never, **common)
     else:
         from eagle_vllm import LLM
 

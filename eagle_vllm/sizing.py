@@ -107,8 +107,7 @@ class AcceptanceStats:
         if depths.numel() == 0:
             return
         depths, valid, accepted = depths.cpu(), valid.cpu(), accepted.cpu()
-        self.hits *= self.decay
-        self.trials *= self.decay
+        self.age()
         drafted = valid.clone()
         drafted[:, 0] = False  # the root is not a draft
         deepest = int(depths[drafted].max()) if drafted.any() else 0
@@ -121,6 +120,12 @@ class AcceptanceStats:
             j = j.clamp(max=self.max_nodes - 1)
             self.trials[d].index_add_(0, j, torch.ones_like(j, dtype=torch.float64))
             self.hits[d].index_add_(0, j, accepted[keep].to(torch.float64))
+
+    def age(self) -> None:
+        """One step passes: older observations weigh less (a step without drafts
+        observes nothing else)."""
+        self.hits *= self.decay
+        self.trials *= self.decay
 
     def rates(self, d: int) -> torch.Tensor:
         return (self.hits[d] + self.prior_rate) / (self.trials[d] + 1.0)

@@ -323,7 +323,10 @@ class EagleRunnerMixin:
         ):
             out = super()._sample(logits, verifying)
         if self.sizer is not None and spec_decode_metadata is not None:
-            self._observe_acceptance(spec_decode_metadata)
+            if verifying is None:  # no drafts: nothing accepted or rejected to count
+                self.sizer.acceptance.age()
+            else:
+                self._observe_acceptance(spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:
             with self.timings.phase("kv_compaction"):
                 self._compact_kv(self.rejection_sampler.last_accepted_nodes)

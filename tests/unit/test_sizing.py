@@ -38,6 +38,25 @@ def test_acceptance_rates_per_depth_limit():
     assert stats.expected_tokens(0, 4) == 1.0
 
 
+def test_a_step_without_drafts_ages_acceptance_like_an_empty_update():
+    """Drafts-off steps skip the per-request update (runner._sample) and only age the
+    statistics; that must be what an update with nothing drafted did."""
+    aged, updated = (AcceptanceStats(depth=2, max_nodes=4, decay=0.9) for _ in range(2))
+    depths = torch.tensor([[0, 1, 2, 1]])
+    accepted = torch.tensor([[False, True, False, False]])
+    for stats in (aged, updated):
+        stats.update(depths, torch.ones(1, 4, dtype=torch.bool), accepted)
+    for _ in range(5):
+        aged.age()
+        updated.update(
+            torch.zeros(3, 1, dtype=torch.int64),
+            torch.ones(3, 1, dtype=torch.bool),
+            torch.zeros(3, 1, dtype=torch.bool),
+        )
+    assert torch.equal(aged.hits, updated.hits) and torch.equal(aged.trials, updated.trials)
+    assert aged.trials[2, 1] < 1.0  # it did age
+
+
 class SimulatedEngine:
     """Costs and acceptance of a made-up machine: verifying extra tokens is cheap at batch 1
     and expensive at large batches; a draft pass costs a fixed share of a step."""
