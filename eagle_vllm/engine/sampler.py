@@ -28,7 +28,7 @@ from vllm.v1.sample.rejection_sampler import (
 from eagle_vllm.verify import (
     chain_parents,
     deterministic_tree_verify,
-    greedy_verify,
+    greedy_verify_choices,
     sampled_chain_verify,
 )
 from eagle_vllm.verify.position_rng import (
@@ -152,26 +152,29 @@ class ExactRejectionSampler(RejectionSampler):
             greedy_rows = (sampling_metadata.temperature == GREEDY_TEMPERATURE).cpu()
 
         output = torch.full((batch, max_drafts + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
-        if target_logits.shape[0] == 0:
-            scores = torch.zeros(batch, max_drafts + 1, vocab)
-        else:
-            scores = target_logits.to("cpu")[row_index]  # [B, N, V]
-        scores = scores.masked_fill(~valid[:, :, None], 0.0)
         leaf = num_drafts
         bonus = bonus_tokens.to("cpu", torch.int64)
 
         accepted = torch.full((batch, max_drafts), -1, dtype=torch.int64)
         if greedy_rows.any():
+            # the argmax of each node's row; the last node's "row" is the bonus token
             idx = greedy_rows.nonzero().view(-1)
-            g_scores = scores[idx].clone()
-            g_scores[torch.arange(idx.numel()), leaf[idx]] = -torch.inf
-            g_scores[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 0.0
-            res = greedy_verify(tokens[idx], parents[idx], num_nodes[idx], g_scores)
+            if target_logits.shape[0] == 0:
+                choice = torch.zeros(idx.numel(), max_drafts + 1, dtype=torch.int64)
+            else:
+                choice = target_logits.argmax(dim=-1).to("cpu", torch.int64)[row_index[idx]]
+            choice[torch.arange(idx.numel()), leaf[idx]] = bonus[idx]
+            res = greedy_verify_choices(tokens[idx], parents[idx], num_nodes[idx], choice)
             output[idx] = res.output_tokens
             accepted[idx] = res.accepted_nodes
         if (~greedy_rows).any():
             idx = (~greedy_rows).nonzero().view(-1)
-            probs = torch.softmax(scores[idx], dim=-1)
+            if target_logits.shape[0] == 0:
+                scores = torch.zeros(idx.numel(), max_drafts + 1, vocab)
+            else:
+                scores = target_logits.to("cpu")[row_index[idx]]  # [b, N, V]
+            scores = scores.masked_fill(~valid[idx, :, None], 0.0)
+            probs = torch.softmax(scores, dim=-1)
             probs = _apply_min_p(probs, sampling_metadata, idx, max_drafts + 1)
             probs[torch.arange(idx.numel()), leaf[idx]] = 0.0
             probs[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 1.0

@@ -10,7 +10,8 @@ the plugin's config sets; vLLM keeps an explicit ``worker_cls`` on CPU and CUDA.
 
 Both add ``eagle_vllm_timings``, reachable with
 ``LLM.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})``, and
-``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``) and
+``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``),
+``eagle_vllm_sizing_profile`` (the same measurements as a calibration profile) and
 ``eagle_vllm_rng_digest`` (the random state speculation draws from, per rank).
 """
 
@@ -49,6 +50,11 @@ class _TimingsRPC:
         if sizer is None:
             return {}
         return {**sizer.table(), "history": [list(h) for h in sizer.history]}
+
+    def eagle_vllm_sizing_profile(self) -> dict:
+        """The sizer's measurements as a profile (``eagle-vllm calibrate``; {} unless auto)."""
+        sizer = getattr(self.model_runner, "sizer", None)
+        return {} if sizer is None else sizer.export_profile()
 
 
 def _cpu_worker_cls():

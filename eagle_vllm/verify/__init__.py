@@ -10,7 +10,7 @@ Rules (see ``docs/lossless-verification.md``):
   with ``replacement=True``, sequentially without replacement with ``False``).
 """
 
-from eagle_vllm.verify.greedy import VerifyResult, greedy_verify
+from eagle_vllm.verify.greedy import VerifyResult, greedy_verify, greedy_verify_choices
 from eagle_vllm.verify.rejection import (
     chain_parents,
     deterministic_tree_verify,
@@ -26,6 +26,7 @@ __all__ = [
     "deterministic_tree_verify",
     "draw_uniforms",
     "greedy_verify",
+    "greedy_verify_choices",
     "sample_from_probs",
     "sampled_chain_verify",
     "sampled_tree_verify",

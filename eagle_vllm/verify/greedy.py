@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VerifyResult", "greedy_verify"]
+__all__ = ["VerifyResult", "greedy_verify", "greedy_verify_choices"]
 
 
 @dataclass
@@ -169,7 +169,19 @@ def greedy_verify(
         target_logits: ``[B, N, V]`` target logits/probs after each node.
     """
     _check_tree_inputs(tokens, parents, num_nodes, target_logits)
-    choice = target_logits.argmax(dim=-1)  # [B, N]: cheap, so do every node at once
+    # [B, N]: cheap, so do every node at once
+    return greedy_verify_choices(tokens, parents, num_nodes, target_logits.argmax(dim=-1))
+
+
+def greedy_verify_choices(
+    tokens: Tensor, parents: Tensor, num_nodes: Tensor, choice: Tensor
+) -> VerifyResult:
+    """:func:`greedy_verify` from the target's choice at every node, ``choice [B, N]``
+    (the argmax of node u's target row): the caller never materialises ``[B, N, V]``."""
+    if choice.shape != tokens.shape:
+        raise ValueError(f"choice must be [B, N] like tokens {tuple(tokens.shape)}, "
+                         f"got {tuple(choice.shape)}")  # fmt: skip
+    choice = choice.to(torch.long)
 
     def choose(cur: Tensor) -> Tensor:
         return choice.gather(1, cur.unsqueeze(1)).squeeze(1)

@@ -709,6 +709,37 @@ def test_total_tokens_auto_bad_values(models):
     assert "exceeds" in msg
 
 
+def test_sizing_profile(models, tmp_path):
+    """total_tokens: auto may start from an `eagle-vllm calibrate` profile: read and
+    checked at parse time (relative to the config file), carried to the workers as data."""
+    from eagle_vllm.sizing import TreeSizer
+
+    d = str(models["draft"])
+    base = {"method": "eagle2", "model": d, "num_speculative_tokens": 2, "topk": 2,
+            "total_tokens": "auto", "max_total_tokens": 4}  # fmt: skip
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer.observe_verify(1, 1, 0.04)
+    sizer.observe_draft(1, 0, 0.001)
+    (tmp_path / "profile.json").write_text(json.dumps(sizer.export_profile()))
+    config = tmp_path / "auto.yaml"
+    config.write_text(json.dumps({**base, "sizing_profile": "profile.json"}))
+    cfg = parse_speculative_config(config)
+    assert cfg.sizing_profile["verify_seconds"] == {"1,1": 0.04}
+    assert EagleSpecConfig.from_dict(cfg.to_dict()).sizing_profile == cfg.sizing_profile
+    assert is_eagle_vllm_request({"method": "eagle", "sizing_profile": "p.json"})
+
+    msg = parse_err({**base, "sizing_profile": str(tmp_path / "none.json")}, "sizing_profile")
+    assert "does not exist" in msg and "eagle-vllm calibrate" in msg
+    (tmp_path / "bad.json").write_text("{not json")
+    parse_err({**base, "sizing_profile": str(tmp_path / "bad.json")}, "sizing_profile")
+    other = {**base, "max_total_tokens": 5, "sizing_profile": str(tmp_path / "profile.json")}
+    msg = parse_err(other, "sizing_profile")
+    assert "made for" in msg and "(2, 2, 4)" in msg
+    fixed = {**base, "total_tokens": 4, "sizing_profile": str(tmp_path / "profile.json")}
+    del fixed["max_total_tokens"]
+    assert "total_tokens: auto" in parse_err(fixed, "sizing_profile")
+
+
 def test_shipped_auto_config_parses():
     root = Path(__file__).resolve().parents[2]
     cfg = parse_speculative_config(root / "configs" / "eagle2-auto.yaml")

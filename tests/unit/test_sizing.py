@@ -199,3 +199,51 @@ def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
     EagleRunnerMixin._observe_step_costs(runner, step, period=0.062)
     assert sizer.draft_cost[(4, 1)].value == pytest.approx(0.002)
     assert sizer.verify_cost[(4, 2)].value == pytest.approx(0.010)
+
+
+def _calibrated_sizer() -> TreeSizer:
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.1, per_token=0.05)
+    run(sizer, engine, batch=1, steps=120)
+    run(sizer, engine, batch=16, steps=120)
+    return sizer
+
+
+def test_a_profile_lets_a_new_engine_start_without_exploring():
+    """eagle-vllm calibrate writes export_profile(); an engine seeded with it picks the
+    best arm at once in every calibrated bucket instead of trying each arm."""
+    import json
+
+    from eagle_vllm.sizing import OFF
+
+    calibrated = _calibrated_sizer()
+    profile = json.loads(json.dumps(calibrated.export_profile()))  # through JSON, as on disk
+    fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
+    fresh.load_profile(profile)
+    for batch in (1, 16):
+        first = [fresh.choose(batch) for _ in range(5)]
+        assert len(set(first)) == 1, first  # no exploration
+        assert first[0] == calibrated.choose(batch)
+    assert fresh.choose(1) != OFF and fresh.choose(16) == OFF  # the simulated machine's best
+    assert torch.equal(fresh.acceptance.hits, calibrated.acceptance.hits)
+    # an uncalibrated bucket still explores, starting with no drafts
+    assert fresh.choose(64) == OFF
+
+
+def test_a_profile_for_another_tree_bound_or_malformed_is_refused():
+    from eagle_vllm.sizing import check_profile
+
+    profile = _calibrated_sizer().export_profile()
+    check_profile(profile, 2, 2, 4)
+    with pytest.raises(ValueError, match="made for num_speculative_tokens/topk/max_total_tokens"):
+        check_profile(profile, 3, 2, 4)
+    with pytest.raises(ValueError, match="not an eagle-vllm sizing profile"):
+        check_profile({"verify_seconds": {}}, 2, 2, 4)
+    broken = {**profile, "verify_seconds": {"1,x": 0.1}}
+    with pytest.raises(ValueError, match="malformed"):
+        check_profile(broken, 2, 2, 4)
+    negative = {**profile, "draft_seconds": {"1,1": -0.1}}
+    with pytest.raises(ValueError, match="malformed"):
+        check_profile(negative, 2, 2, 4)
+    with pytest.raises(ValueError, match="Fix: make it with `eagle-vllm calibrate`"):
+        check_profile({**profile, "eagle_vllm_sizing_profile": 99}, 2, 2, 4)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from eagle_vllm.verify import VerifyResult, greedy_verify
+from eagle_vllm.verify import VerifyResult, greedy_verify, greedy_verify_choices
 
 torch.set_num_threads(1)
 
@@ -219,6 +219,21 @@ def test_probs_and_logits_agree_and_int32_inputs():
     r2 = greedy_verify(tokens.int(), parents.int(), num_nodes.int(), logits.softmax(-1))
     assert r1.output_tokens.tolist() == r2.output_tokens.tolist()
     assert r1.accepted_nodes.tolist() == r2.accepted_nodes.tolist()
+
+
+def test_choices_alone_give_the_same_walk():
+    """The runner's verifier hands over each node's argmax only (no [B, N, V] copy)."""
+    gen = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    trees = [random_tree(rng, rng.randint(1, 9), 3) for _ in range(200)]
+    tokens, parents, num_nodes, logits = pad_batch(trees, 9, 3, gen, garbage=True)
+    full = greedy_verify(tokens, parents, num_nodes, logits)
+    fast = greedy_verify_choices(tokens, parents, num_nodes, logits.argmax(-1).int())
+    assert fast.output_tokens.tolist() == full.output_tokens.tolist()
+    assert fast.accepted_nodes.tolist() == full.accepted_nodes.tolist()
+    assert full.num_accepted.max() >= 2
+    with pytest.raises(ValueError, match="choice must be"):
+        greedy_verify_choices(tokens, parents, num_nodes, logits.argmax(-1)[:, :4])
 
 
 def test_bad_shapes_raise():

@@ -1,0 +1,53 @@
+"""``eagle-vllm calibrate``: a profile measured by one engine seeds the next one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ENGINE_KW, shutdown
+
+pytestmark = pytest.mark.vllm
+
+
+def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+    from eagle_vllm.calibrate import calibrate
+    from eagle_vllm.config import parse_speculative_config
+    from eagle_vllm.sizing import TreeSizer
+
+    config = tmp_path / "auto.yaml"
+    spec = {"method": "eagle2", "model": str(tiny["draft_noisy"]), "num_speculative_tokens": 2,
+            "topk": 2, "total_tokens": "auto", "max_total_tokens": 4}  # fmt: skip
+    config.write_text(json.dumps(spec))
+    prompts = [" ".join(f"w{(3 * i + j) % 200}" for j in range(12)) for i in range(8)]
+    out = tmp_path / "profiles" / "tiny.json"
+    profile = calibrate(
+        str(tiny["target"]), str(config), out, concurrency=(1, 4), max_tokens=40,
+        prompts=prompts, **ENGINE_KW,
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == profile
+    buckets = {int(key.split(",")[0]) for key in profile["verify_seconds"]}
+    assert {1, 4} <= buckets, profile["verify_seconds"]  # (and the tail of a batch)
+    assert profile["acceptance"]["trials"][2][1] > 0  # drafted trees were verified
+    assert profile["calibration"]["concurrency"] == [1, 4]
+
+    config.write_text(json.dumps({**spec, "sizing_profile": "profiles/tiny.json"}))
+    assert parse_speculative_config(config).sizing_profile["verify_seconds"]
+    llm = LLM(str(tiny["target"]), speculative_config=str(config), **ENGINE_KW)
+    try:
+        table = llm.collective_rpc("eagle_vllm_sizing")[0]
+        # before any request: the arms the calibration measured have costs already
+        bucket_1 = table["buckets"].get(1) or table["buckets"].get("1")
+        assert any(v["seconds"] is not None for v in bucket_1.values()), table
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        history = llm.collective_rpc("eagle_vllm_sizing")[0]["history"]
+    finally:
+        shutdown(llm)
+    # the first step's choice is the profile's best arm, not the first arm to explore
+    local = TreeSizer(depth=2, topk=2, max_nodes=4)
+    local.load_profile(profile)
+    assert tuple(history[0]) == (1, *local.choose(1)), history[:4]
