@@ -38,6 +38,25 @@ def test_acceptance_rates_per_depth_limit():
     assert stats.expected_tokens(0, 4) == 1.0
 
 
+def test_a_prefill_step_is_charged_to_no_arm():
+    """The drafter's first pass over a prompt runs whatever the arm; charged to the arm of
+    a prefill step it made drafts-off look dearer than drafting while requests arrive."""
+    from types import SimpleNamespace
+
+    from eagle_vllm.engine.runner import EagleRunnerMixin
+
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    runner = SimpleNamespace(sizer=sizer)
+    prefill = {"batch": 4, "passes": 0, "draft": 0.030, "verified_nodes": 1,
+               "decode_only": False}  # fmt: skip
+    EagleRunnerMixin._observe_step_costs(runner, prefill, period=0.090)
+    assert not sizer.draft_cost and not sizer.verify_cost
+    decode = {**prefill, "draft": 0.001, "decode_only": True}
+    EagleRunnerMixin._observe_step_costs(runner, decode, period=0.051)
+    assert sizer.draft_cost[(4, 0)].value == pytest.approx(0.001)
+    assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.050)
+
+
 def test_a_step_without_drafts_ages_acceptance_like_an_empty_update():
     """Drafts-off steps skip the per-request update (runner._sample) and only age the
     statistics; that must be what an update with nothing drafted did."""
