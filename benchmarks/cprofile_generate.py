@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--save", default=None, help="also write the raw profile here (pstats)")
     p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
     args = p.parse_args(argv)
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
 
     stats = pstats.Stats(profile)
+    if args.save:
+        stats.dump_stats(args.save)
     steps = sum(
         calls
         for (filename, _, function), (calls, *_) in stats.stats.items()

@@ -94,6 +94,13 @@ class EagleSpecConfig:
             "method": "eagle",
             "model": self.model,
             "num_speculative_tokens": self.num_draft_slots,
+            # vLLM 0.32 drops the last prefix-cache block an EAGLE request hits, so that
+            # its own drafter recomputes the hidden states there. This plugin's drafter
+            # needs features only for the tokens it computes; a cached block's draft KV
+            # was written when the block was filled, and a stale entry (the block's last
+            # slot reads the next block's first token) can only lower acceptance:
+            # verification is exact. Dropping it cost a whole block of prefill per hit.
+            "disable_eagle_block_drop": True,
         }
 
     def engine_kwargs(self) -> dict[str, Any]:

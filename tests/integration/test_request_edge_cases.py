@@ -14,6 +14,7 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = [" ".join(f"w{(11 * i + 3 * j) % 250}" for i in range(4 + 5 * j)) for j in range(6)]
 LONG = " ".join(f"w{(5 * i + 3) % 250}" for i in range(509))  # + BOS = 510 of 512
+RESENT = " ".join(f"w{(7 * i + 1) % 250}" for i in range(300))
 
 
 def _cases():
@@ -54,6 +55,8 @@ def _cases():
 
 
 def _run(llm) -> dict:
+    from vllm import SamplingParams
+
     out = {}
     for name, (prompts, params) in _cases().items():
         res = llm.generate(prompts, params, use_tqdm=False)
@@ -66,6 +69,14 @@ def _run(llm) -> dict:
             }
             for r in res
         ]
+    # the same prompt twice: the second one reads the first one's blocks from the
+    # prefix cache (block size 128 on CPU)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out["resent"] = [
+        [(list(r.outputs[0].token_ids), r.num_cached_tokens) for r in llm.generate(
+            [RESENT], params, use_tqdm=False)]  # fmt: skip
+        for _ in range(2)
+    ]
     return out
 
 
@@ -101,6 +112,16 @@ def tree(tree_llm):
 def test_tokens_equal_vanilla(vanilla, tree, case):
     assert [r["tokens"] for r in tree[case]] == [r["tokens"] for r in vanilla[case]]
     assert [r["finish"] for r in tree[case]] == [r["finish"] for r in vanilla[case]]
+
+
+def test_a_resent_prompt_hits_as_many_cached_blocks_as_vanilla(vanilla, tree):
+    """vLLM drops the last prefix-cache block an EAGLE request hits (its drafter wants
+    those hidden states); this plugin's drafter does not, so a resent prompt reuses
+    every full block, like vanilla, and recomputes only its partial last block."""
+    (_, first_cached), (tokens, cached) = (run[0] for run in tree["resent"])
+    assert first_cached == 0
+    assert cached == vanilla["resent"][1][0][1] >= 256  # 2 full blocks of 128 reused
+    assert tokens == vanilla["resent"][1][0][0] == vanilla["resent"][0][0][0]
 
 
 def test_at_max_model_len_stops_by_length(tree):

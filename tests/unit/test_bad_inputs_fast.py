@@ -273,6 +273,7 @@ def test_valid_config_reaches_vllm_with_plugin_arguments(runs, models):
         "method": "eagle",
         "model": draft,
         "num_speculative_tokens": 11,
+        "disable_eagle_block_drop": True,
     }
     assert kwargs["worker_cls"] == "eagle_vllm.engine.worker.EagleWorker"
     plugin = kwargs["additional_config"]["eagle_vllm"]

@@ -467,6 +467,7 @@ def test_engine_kwargs(models, spec, slots):
         "method": "eagle",
         "model": d,
         "num_speculative_tokens": cfg.total_tokens - 1,
+        "disable_eagle_block_drop": True,  # the drafter needs no recomputed cached block
     }
     assert kw["speculative_config"]["num_speculative_tokens"] == slots
     assert kw["worker_cls"] == WORKER_CLS == "eagle_vllm.engine.worker.EagleWorker"
@@ -546,7 +547,8 @@ def test_apply_to_engine_args(models, tmp_path):
         additional_config={"other": 1},
     )
     apply_to_engine_args(args)
-    assert args.speculative_config == {"method": "eagle", "model": d, "num_speculative_tokens": 2}
+    assert args.speculative_config == {"method": "eagle", "model": d, "num_speculative_tokens": 2,
+                                       "disable_eagle_block_drop": True}  # fmt: skip
     assert args.worker_cls == WORKER_CLS
     assert args.additional_config["other"] == 1
     assert args.additional_config[ADDITIONAL_CONFIG_KEY]["num_speculative_tokens"] == 2
