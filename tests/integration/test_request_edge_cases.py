@@ -73,8 +73,10 @@ def _run(llm) -> dict:
     # prefix cache (block size 128 on CPU)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     out["resent"] = [
-        [(list(r.outputs[0].token_ids), r.num_cached_tokens) for r in llm.generate(
-            [RESENT], params, use_tqdm=False)]  # fmt: skip
+        [
+            (list(r.outputs[0].token_ids), r.num_cached_tokens)
+            for r in llm.generate([RESENT], params, use_tqdm=False)
+        ]  # fmt: skip
         for _ in range(2)
     ]
     return out
