@@ -46,10 +46,18 @@ lint:
 # fp32: this CPU has no AVX-512 BF16, and vLLM's bf16 linear falls back to slow torch GEMMs.
 bench:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
+	# turns, so the timed first turns stay out of it), as a user would serve it
+	$(PY) -m eagle_vllm calibrate --target models/SmolLM2-135M-Instruct \
+		--config configs/eagle2-auto.yaml --prompts mtbench-turn2 --concurrency 1,4,16,64 \
+		--dtype float32 --enforce-eager --out benchmarks/results/sizing-profile-cpu.json \
+		--write-config benchmarks/results/eagle2-auto-calibrated.yaml
 	$(PY) benchmarks/bench.py --dtype float32 --batch-sizes 1,4,16 --temperatures 0,1 \
-		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/smollm2-cpu
+		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/smollm2-cpu \
+		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 	$(PY) benchmarks/concurrency.py --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
-		--max-tokens 64 --reps 2 --out benchmarks/results/concurrency-cpu
+		--max-tokens 64 --reps 2 --out benchmarks/results/concurrency-cpu \
+		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact command that
 # made it. The first user turns of 1500 ShareGPT conversations (MT-bench/HumanEval overlap

@@ -62,8 +62,9 @@ def run_worker(system: str, args) -> list[dict]:
 
     llm = build_engine(system, args)
     prompts = _prompts("mtbench", 80, llm.get_tokenizer())
-    # warm-up loads use other prompts: a warm prefix cache would hand vanilla the whole
-    # prompt, and EAGLE all but its last block (vLLM recomputes it for the draft)
+    # warm-up loads use other prompts: the timed prompts' prefill is measured cold
+    # (a warm prefix cache would hand vanilla and eagle-vllm every full block, and
+    # vLLM's own EAGLE all but the last: it recomputes that one for its drafter)
     warm_prompts = _prompts("humaneval", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up

@@ -1,7 +1,8 @@
 """``eagle-vllm calibrate``: measure the load-aware sizer once, write a profile.
 
     eagle-vllm calibrate --target models/SmolLM2-135M-Instruct \\
-        --config configs/eagle2-auto.yaml --out profiles/smollm2-cpu.json --dtype float32
+        --config configs/eagle2-auto.yaml --out profiles/smollm2-cpu.json --dtype float32 \\
+        --write-config profiles/eagle2-auto-smollm2-cpu.yaml
 
 Serves MT-bench first turns with the config (``total_tokens: auto``) at each
 concurrency level, long enough for the sizer to measure, in every batch bucket, each
@@ -11,7 +12,8 @@ acceptance rates instead of trying every arm in each new bucket while it serves;
 keeps measuring, and its own samples outvote the profile's. A profile describes one
 machine, one target, dtype and thread setting, and one tree bound (the config's
 ``num_speculative_tokens``, ``topk`` and ``max_total_tokens``, checked when a config
-is parsed).
+is parsed). ``--write-config`` also writes a copy of the config that names the
+profile (``sizing_profile``), ready for ``vllm serve --speculative-config``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,54 @@ import time
 from pathlib import Path
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+# prompt sets to calibrate on; ``mtbench-turn2`` keeps the first turns (what
+# benchmarks/bench.py times) out of the calibration
+PROMPT_SETS = ("mtbench", "mtbench-turn2", "humaneval")
+
+
+def prompt_set(name: str, tokenizer) -> list[str]:
+    """Raw prompts of a named set (chat turns in the target's chat template)."""
+    from eagle_vllm.datasets import humaneval_prompts, mtbench_prompts
+
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set '{name}'. Fix: use one of {list(PROMPT_SETS)}.")
+    if name == "humaneval":
+        return humaneval_prompts()
+    turns = mtbench_prompts(1 if name == "mtbench-turn2" else 0)
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in turns
+    ]
+
+
+def write_calibrated_config(config: str | Path, profile: str | Path, out: str | Path) -> Path:
+    """Write ``config`` with ``sizing_profile: profile`` to ``out`` (YAML). Relative paths
+    are rewritten relative to ``out``'s folder (a config's paths resolve against its
+    own folder); the result is checked by parsing it."""
+    import os
+
+    import yaml
+
+    from eagle_vllm.config import parse_speculative_config, read_config_file
+
+    data = read_config_file(config)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    here = out.parent.resolve()
+    model = Path(data["model"]).expanduser() if data.get("model") else None
+    if model is not None and not model.is_absolute():
+        model = Path(config).resolve().parent / model
+        data["model"] = os.path.relpath(model.resolve(), here)
+    data["sizing_profile"] = os.path.relpath(Path(profile).resolve(), here)
+    header = (
+        f"# {config} with the sizing profile measured by `eagle-vllm calibrate`\n"
+        f"# ({Path(profile).name}): the load-aware sizer starts from its costs.\n"
+    )
+    out.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    parse_speculative_config(out)  # the profile must fit the config's tree bound
+    return out
 
 
 def calibrate(
@@ -30,16 +80,16 @@ def calibrate(
     out: str | Path,
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY,
     max_tokens: int = 64,
-    prompts: list[str] | None = None,
+    prompts: list[str] | str | None = None,
     **engine_kwargs,
 ) -> dict:
     """Run ``config`` at each concurrency level and write the sizer's profile to ``out``.
-    ``prompts``: raw prompts (default: MT-bench first turns in the chat template)."""
+    ``prompts``: raw prompts, or the name of a set in ``PROMPT_SETS`` (default: MT-bench
+    first turns in the chat template)."""
     from vllm import SamplingParams
 
     from eagle_vllm import LLM
     from eagle_vllm.config import EagleConfigError, parse_speculative_config
-    from eagle_vllm.datasets import mtbench_prompts
 
     cfg = parse_speculative_config(config, target=target)
     if not cfg.auto_size:
@@ -53,13 +103,9 @@ def calibrate(
     llm = LLM(target, speculative_config=config, **engine_kwargs)
     try:
         if prompts is None:
-            tokenizer = llm.get_tokenizer()
-            prompts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-                )
-                for q in mtbench_prompts(0)
-            ]
+            prompts = prompt_set("mtbench", llm.get_tokenizer())
+        elif isinstance(prompts, str):
+            prompts = prompt_set(prompts, llm.get_tokenizer())
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         for level, c in enumerate(concurrency):
@@ -111,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         help="requests in flight, one level after another (%(default)s)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (%(default)s)")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="mtbench",
+                   help="prompt set to serve (%(default)s)")  # fmt: skip
+    p.add_argument("--write-config", default=None,
+                   help="also write the config with sizing_profile set to --out (YAML)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="as you serve it (%(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true", help="as you serve it")
@@ -126,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             concurrency=levels,
             max_tokens=args.max_tokens,
+            prompts=args.prompts,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,
@@ -135,4 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     buckets = sorted({int(k.split(",")[0]) for k in profile["verify_seconds"]})
     print(f"{args.out}: costs for batch buckets {buckets}")
+    if args.write_config:
+        try:
+            written = write_calibrated_config(args.config, args.out, args.write_config)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{written}: {args.config} with sizing_profile: {Path(args.out).resolve()}")
     return 0

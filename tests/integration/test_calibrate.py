@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import ENGINE_KW, shutdown
@@ -14,7 +15,7 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     from vllm import SamplingParams
 
     from eagle_vllm import LLM
-    from eagle_vllm.calibrate import calibrate
+    from eagle_vllm.calibrate import calibrate, write_calibrated_config
     from eagle_vllm.config import parse_speculative_config
     from eagle_vllm.sizing import TreeSizer
 
@@ -34,9 +35,14 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     assert profile["acceptance"]["trials"][2][1] > 0  # drafted trees were verified
     assert profile["calibration"]["concurrency"] == [1, 4]
 
-    config.write_text(json.dumps({**spec, "sizing_profile": "profiles/tiny.json"}))
-    assert parse_speculative_config(config).sizing_profile["verify_seconds"]
-    llm = LLM(str(tiny["target"]), speculative_config=str(config), **ENGINE_KW)
+    # the config `--write-config` writes (absolute paths: it lives in another folder)
+    spec["model"] = os.path.relpath(tiny["draft_noisy"], tmp_path)  # relative to the config
+    config.write_text(json.dumps(spec))
+    served = write_calibrated_config(config, out, tmp_path / "elsewhere" / "served.yaml")
+    parsed = parse_speculative_config(served)
+    assert parsed.sizing_profile == json.loads(out.read_text())
+    assert parsed.model == str(tiny["draft_noisy"].resolve())
+    llm = LLM(str(tiny["target"]), speculative_config=str(served), **ENGINE_KW)
     try:
         table = llm.collective_rpc("eagle_vllm_sizing")[0]
         # before any request: the arms the calibration measured have costs already
