@@ -266,3 +266,31 @@ def test_a_profile_for_another_tree_bound_or_malformed_is_refused():
         check_profile(negative, 2, 2, 4)
     with pytest.raises(ValueError, match="Fix: make it with `eagle-vllm calibrate`"):
         check_profile({**profile, "eagle_vllm_sizing_profile": 99}, 2, 2, 4)
+
+
+def test_seldom_verified_nodes_promise_no_more_than_better_ranked_ones():
+    """Node 1 verified often and accepted a quarter of the time; nodes 2.. never verified.
+    Their prior (0.5) must not make a big tree look better than the measured node: a
+    tree of depth 2 yields at most 3 tokens, and a node ranks below node 1's rate."""
+    stats = AcceptanceStats(depth=2, max_nodes=16, decay=1.0)
+    depths = torch.tensor([[0, 1]]).repeat(40, 1)
+    accepted = torch.zeros(40, 2, dtype=torch.bool)
+    accepted[:10, 1] = True
+    stats.update(depths, torch.ones(40, 2, dtype=torch.bool), accepted)
+    rates = stats.rates(2)[1:]
+    assert rates[0] == pytest.approx(10.5 / 41)
+    assert bool((rates[1:] <= rates[:-1]).all())  # never rising with rank
+    assert stats.expected_tokens(2, 16) <= 3.0
+    assert stats.expected_tokens(1, 2) == pytest.approx(1 + 10.5 / 41)
+
+
+def test_a_near_tie_goes_to_no_drafts():
+    """One draft predicted 2% faster than none: within what switching costs and this
+    machine's drift decide, so no drafts; 15% faster: one draft."""
+    for rate, want_off in ((0.166, True), (0.40, False)):
+        engine = SimulatedEngine(rate=rate, draft_pass=0.05, per_token=0.1)
+        gain = engine.tokens_per_second(1, (1, 2)) / engine.tokens_per_second(1, OFF)
+        assert (1.0 < gain < 1.03) if want_off else gain > 1.15
+        sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+        arms = [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=400)]
+        assert (arms.count(OFF) >= 40) == want_off, (rate, arms)
