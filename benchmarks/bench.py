@@ -131,7 +131,7 @@ def run_worker(system: str, args) -> list[dict]:
     warm_prompts = _prompts(args.datasets[0], max(args.batch_sizes), tokenizer)
     for batch in args.batch_sizes:
         llm.generate(warm_prompts[:batch], SamplingParams(max_tokens=32), use_tqdm=False)
-    for rep in range(args.reps):
+    for rep in range(args.first_rep, args.first_rep + args.reps):
         for dataset in args.datasets:
             for temperature in args.temperatures:
                 if temperature > 0 and system in STOCK_SPEC and args.cpu:
@@ -313,11 +313,18 @@ def run_as_worker(args, run_worker) -> bool:
     return True
 
 
-def run_systems(script: str, systems: list[str], argv: list[str] | None, out: str) -> list[dict]:
+def run_systems(
+    script: str, systems: list[str], argv: list[str] | None, out: str, rounds: int = 0
+) -> list[dict]:
     """Run ``script --worker SYSTEM`` for each system, one after the other, each in its own
     process (its own engine, nothing shared); the worker writes its rows to
     ``OUT.SYSTEM.json``. Same environment for all: KV cache size, thread binding, and
-    Intel OpenMP preloaded when the venv has it (vLLM's CPU recommendation)."""
+    Intel OpenMP preloaded when the venv has it (vLLM's CPU recommendation).
+
+    ``rounds`` > 0: repetitions interleaved, round r runs every system once with
+    ``--reps 1 --first-rep r``, so a slow phase of this shared machine (vanilla's speed
+    drifted 25% between two repetitions minutes apart) lands on every system, not on
+    the one that happened to run then."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
@@ -328,13 +335,18 @@ def run_systems(script: str, systems: list[str], argv: list[str] | None, out: st
         env["LD_PRELOAD"] = str(iomp)
     print(f"LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
     rows: list[dict] = []
-    for system in systems:
-        cmd = [sys.executable, script, *(argv if argv is not None else sys.argv[1:])]
-        print(f"== {system}", flush=True)
-        subprocess.run([*cmd, "--worker", system], env=env, check=True)
-        part = Path(out + f".{system}.json")
-        rows += json.loads(part.read_text())
-        part.unlink()
+    cmd = [sys.executable, script, *(argv if argv is not None else sys.argv[1:])]
+    passes = [([], "")] if rounds <= 0 else [
+        (["--reps", "1", "--first-rep", str(r)], f", round {r + 1} of {rounds}")
+        for r in range(rounds)
+    ]  # fmt: skip
+    for extra, label in passes:
+        for system in systems:
+            print(f"== {system}{label}", flush=True)
+            subprocess.run([*cmd, *extra, "--worker", system], env=env, check=True)
+            part = Path(out + f".{system}.json")
+            rows += json.loads(part.read_text())
+            part.unlink()
     return rows
 
 
@@ -354,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per condition (>= batch)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ngram-k", type=int, default=3)
@@ -379,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 ".venv/bin/eagle-vllm prepare smollm2 (target) / make reference-head (head)."
             )
     started = time.time()
-    rows = run_systems(__file__, args.systems, argv, args.out)
+    rows = run_systems(__file__, args.systems, argv, args.out, rounds=args.reps)
     md, table = summarise(rows, args.systems)
     header = (
         f"# Benchmark: {Path(args.target).name}, head {Path(args.head).name}\n\n"

@@ -69,7 +69,7 @@ def run_worker(system: str, args) -> list[dict]:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows = []
-    for rep in range(args.reps):
+    for rep in range(args.first_rep, args.first_rep + args.reps):
         for c in args.concurrency:
             batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
             # steady state: the same load once untimed (eagle2-auto measures its arms)
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/concurrency-latest"))
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.time()
-    rows = run_systems(__file__, args.systems, argv, args.out)
+    rows = run_systems(__file__, args.systems, argv, args.out, rounds=args.reps)
     md, curve = summarise(rows, args.systems, args.concurrency)
     command = " ".join([".venv/bin/python", "benchmarks/concurrency.py", *(argv or sys.argv[1:])])
     header = (

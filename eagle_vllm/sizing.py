@@ -23,7 +23,8 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   bucket is tried only if it could still win: its expected tokens over the largest
   measured cost of any smaller arm (costs grow with nodes and passes) must beat the
   best measured arm. So at high load, where one small tree already loses to no
-  drafts, the big trees are never tried. Every ``explore_every`` steps either the
+  drafts, the big trees are never tried. Every ``explore_every`` steps (doubling, up
+  to 8x, while no drafts keeps winning: each exploration costs a drafting step) either the
   stalest arm that could still win (judged without its own, possibly stale, cost)
   is re-measured, its old samples replaced by the fresh one, or the smallest tree
   runs as a probe that keeps acceptance measured while speculation is off; so the
@@ -172,6 +173,15 @@ class TreeSizer:
         # drift decides: SmolLM2 on CPU at 4 and 16 requests flipped between no drafts
         # and one draft, predicted within 2% of each other, and lost 6-14% to vanilla.
         self.speculation_margin = speculation_margin
+        # Steps between explorations: explore_every while a tree wins, doubling (up to
+        # max_explore_every) while no drafts keeps winning. Each exploration costs a
+        # drafting step and the deferred draft KV written for it: every 32 steps that
+        # was a few percent of all time at high load, where drafts never win.
+        self.max_explore_every = 8 * explore_every
+        self._explore_interval = explore_every
+        self._last_explore = 0
+        self._last_best: tuple[int, int] | None = None
+        self._explorations = 0
         self.arms = candidate_sizes(depth, topk, max_nodes)
         self.acceptance = AcceptanceStats(depth, max_nodes)
         self.explore_every = explore_every
@@ -221,10 +231,16 @@ class TreeSizer:
         self.steps += 1
         bucket = batch_bucket(batch_size)
         arm = self._unmeasured(bucket)
-        if arm is None and self.steps % self.explore_every == 0:
+        if arm is None and self.steps - self._last_explore >= self._explore_interval:
+            if self._last_best == OFF:  # no drafts kept winning since the last one
+                self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
+            else:
+                self._explore_interval = self.explore_every
+            self._last_explore = self.steps
             # alternate: the stalest arm that could still win, and the smallest tree as
             # a cheap probe that keeps acceptance measured while speculation is off
-            probe = (self.steps // self.explore_every) % 2 == 0
+            self._explorations += 1
+            probe = self._explorations % 2 == 0
             arm = self.arms[1] if probe and len(self.arms) > 1 else self._stalest(bucket)
             if arm is not None and not probe:
                 # its window may describe another phase of the workload (a warm-up, a
@@ -239,7 +255,7 @@ class TreeSizer:
                     rate /= 1.0 + self.speculation_margin
                 return (rate, -a[1], -a[0])
 
-            arm = max(measured, key=score)
+            arm = self._last_best = max(measured, key=score)
         self.history.append((batch_size, *arm))
         del self.history[:-4096]
         return arm

@@ -294,3 +294,20 @@ def test_a_near_tie_goes_to_no_drafts():
         sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
         arms = [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=400)]
         assert (arms.count(OFF) >= 40) == want_off, (rate, arms)
+
+
+def test_explorations_back_off_while_no_drafts_keeps_winning():
+    """At a load where no tree wins, each exploration costs a drafting step: they come
+    ever less often (every 32 steps at first, at most every 256), and every 32 steps
+    again once a tree wins."""
+    engine = SimulatedEngine(rate=0.3, draft_pass=0.05, per_token=0.02)
+    assert best_arm(engine, 64, candidate_sizes(3, 1, 4)) == OFF
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=32)
+    run(sizer, engine, batch=64, steps=3000)
+    late = [tuple(h[1:]) for h in sizer.history[-2000:]]
+    assert 2000 // 256 <= sum(a != OFF for a in late) <= 2000 // 256 + 2, late
+    engine.rate, engine.per_token = 0.9, 0.0005  # cheap verification, good drafts
+    history = run(sizer, engine, batch=64, steps=800, seed=3)
+    arms = [tuple(h[1:]) for h in history]
+    assert max(set(arms), key=arms.count) != OFF
+    assert sizer._explore_interval == 32
