@@ -322,9 +322,9 @@ def run_systems(
     Intel OpenMP preloaded when the venv has it (vLLM's CPU recommendation).
 
     ``rounds`` > 0: repetitions interleaved, round r runs every system once with
-    ``--reps 1 --first-rep r``, so a slow phase of this shared machine (vanilla's speed
-    drifted 25% between two repetitions minutes apart) lands on every system, not on
-    the one that happened to run then."""
+    ``--reps 1 --first-rep r``, in reversed order every other round, so a slow phase of
+    this shared machine (vanilla's speed drifted 25% between two repetitions minutes
+    apart) lands on every system, not on the one that happened to run then."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
@@ -340,8 +340,9 @@ def run_systems(
         (["--reps", "1", "--first-rep", str(r)], f", round {r + 1} of {rounds}")
         for r in range(rounds)
     ]  # fmt: skip
-    for extra, label in passes:
-        for system in systems:
+    for r, (extra, label) in enumerate(passes):
+        # ABBA: a machine slowing down (or speeding up) steadily favours no system
+        for system in systems if r % 2 == 0 else systems[::-1]:
             print(f"== {system}{label}", flush=True)
             subprocess.run([*cmd, *extra, "--worker", system], env=env, check=True)
             part = Path(out + f".{system}.json")
