@@ -48,6 +48,9 @@ bench:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
 	# turns, so the timed first turns stay out of it), as a user would serve it
+	# (the same thread binding, OpenMP and KV cache space as bench.py gives its systems)
+	VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
 	$(PY) -m eagle_vllm calibrate --target models/SmolLM2-135M-Instruct \
 		--config configs/eagle2-auto.yaml --prompts mtbench-turn2 --concurrency 1,4,16,64 \
 		--dtype float32 --enforce-eager --out benchmarks/results/sizing-profile-cpu.json \
