@@ -50,6 +50,26 @@ def landmarks(stats: pstats.Stats, steps: int) -> list[str]:
     return lines
 
 
+def in_process_engine(system: str, target: str, auto_config: str, concurrency: int):
+    """An fp32 eager engine in this process (the profiler and patches see its runner):
+    ``vanilla-timed`` or ``configs/eagle2-auto.yaml`` pinned per ``PINS``."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    common = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                  max_num_seqs=max(concurrency, 1))  # fmt: skip
+    if system == "vanilla-timed":
+        import vllm
+
+        from eagle_vllm.config import WORKER_CLS
+
+        return vllm.LLM(target, worker_cls=WORKER_CLS, **common)
+    if PINS[system]:
+        os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[system]
+    from eagle_vllm import LLM
+
+    return LLM(target, speculative_config=auto_config, **common)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -63,25 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
     args = p.parse_args(argv)
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from bench import _prompts
     from vllm import SamplingParams
 
-    common = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                  max_num_seqs=max(args.concurrency, 1))  # fmt: skip
-    if args.system == "vanilla-timed":
-        import vllm
-
-        from eagle_vllm.config import WORKER_CLS
-
-        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, **common)
-    else:
-        if PINS[args.system]:
-            os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[args.system]
-        from eagle_vllm import LLM
-
-        llm = LLM(args.target, speculative_config=args.auto_config, **common)
+    llm = in_process_engine(args.system, args.target, args.auto_config, args.concurrency)
     prompts = _prompts("mtbench", 80, llm.get_tokenizer())[: args.concurrency]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up (and prefix cache)

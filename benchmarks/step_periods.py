@@ -18,7 +18,6 @@ of each other at 4 and 16 requests (the sizer flipped between them).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,14 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PINS = {"off": "0,1", "one-draft": "1,2", "auto": None}
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--system", choices=["vanilla-timed", *PINS], default="auto")
+    p.add_argument("--system", choices=["vanilla-timed", "off", "one-draft", "auto"],
+                   default="auto")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
@@ -42,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
     args = p.parse_args(argv)
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner lives in this process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from bench import _prompts
+    from cprofile_generate import in_process_engine
     from vllm import SamplingParams
 
     from eagle_vllm.engine import runner as runner_module
@@ -61,20 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runner_module.EagleRunnerMixin._observe_step_costs = record
 
-    common = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                  max_num_seqs=max(args.concurrency, 1))  # fmt: skip
-    if args.system == "vanilla-timed":
-        import vllm
-
-        from eagle_vllm.config import WORKER_CLS
-
-        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, **common)
-    else:
-        if PINS[args.system]:
-            os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[args.system]
-        from eagle_vllm import LLM
-
-        llm = LLM(args.target, speculative_config=args.auto_config, **common)
+    llm = in_process_engine(args.system, args.target, args.auto_config, args.concurrency)
     prompts = _prompts("mtbench", 80, llm.get_tokenizer())
     warm_prompts = _prompts("humaneval", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
