@@ -30,9 +30,10 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   runs as a probe that keeps acceptance measured while speculation is off; so the
   table follows the machine and the workload.
 
-``(0, 1)`` is always a candidate: no drafts this step. A tree must predict
-``speculation_margin`` (5%) more throughput than no drafts to be chosen: switching
-has costs its measurement leaves out, and a near tie is this machine's noise. After a plain decode step
+``(0, 1)`` is always a candidate: no drafts this step. Crossing between drafting
+and no drafts needs ``speculation_margin`` (5%) more predicted throughput than the
+side the last choice was on (hysteresis): switching has costs its measurement leaves
+out, and a near tie is this machine's noise. After a plain decode step
 the runner then skips the drafter and defers its first pass (the draft KV is
 written later, many positions per forward), so a drafts-off step costs about
 what a step of vanilla vLLM costs. As the batch grows, the verify cost of extra
@@ -167,11 +168,15 @@ class TreeSizer:
         speculation_margin: float = 0.05,
     ):
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
-        # A tree is chosen over no drafts only if it predicts this much more throughput.
-        # Its measured cost leaves out what switching costs (the deferred draft KV
-        # written when drafts resume, the probe steps), and near a tie this machine's
-        # drift decides: SmolLM2 on CPU at 4 and 16 requests flipped between no drafts
-        # and one draft, predicted within 2% of each other, and lost 6-14% to vanilla.
+        # Hysteresis between drafting and no drafts: the other side must predict this
+        # much more throughput than the side the last choice was on (trees of either
+        # size compete without it; no choice yet counts as no drafts). Near a tie this
+        # machine's drift decides, and each crossing has costs an arm's measurement
+        # leaves out (the deferred draft KV written when drafts resume, a first verify
+        # of a new shape): SmolLM2 on CPU at 4 and 16 requests flipped between no
+        # drafts and one draft, predicted within 2% of each other, and lost 6-14% to
+        # vanilla. A plain bias against drafting (session 7) kept batch 1 off in 31 of
+        # 110 steps where one draft was 5-15% faster.
         self.speculation_margin = speculation_margin
         # Steps between explorations: explore_every while a tree wins, doubling (up to
         # max_explore_every) while no drafts keeps winning. Each exploration costs a
@@ -248,10 +253,11 @@ class TreeSizer:
                 self._refresh |= {("verify", bucket, arm[1]), ("draft", bucket, arm[0])}
         if arm is None:
             measured = [a for a in self.arms if self._measured(bucket, a)]
+            drafting_now = self._last_best not in (None, OFF)
 
             def score(a):
                 rate = self.throughput(batch_size, a)
-                if a != OFF:
+                if (a != OFF) != drafting_now:  # crossing between drafting and no drafts
                     rate /= 1.0 + self.speculation_margin
                 return (rate, -a[1], -a[0])
 

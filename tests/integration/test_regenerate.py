@@ -34,8 +34,15 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
         [{"role": "user", "content": " ".join(f"w{i % 200}" for i in range(600))}],  # too long
         [{"role": "user", "content": "w17 w5"}, {"role": "assistant", "content": "w3"}],
     ]
+    progress = tmp_path / "progress.jsonl"
     got = regenerate_answers(
-        target, conversations, max_tokens=8, dtype="float32", max_model_len=512
+        target,
+        conversations,
+        max_tokens=8,
+        dtype="float32",
+        max_model_len=512,
+        progress_file=progress,
+        chunk=1,
     )
 
     llm = vllm.LLM(str(target), **ENGINE_KW)
@@ -51,3 +58,6 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
     assert [c[0] for c in got] == [conversations[0][0], conversations[2][0]]  # long one dropped
     assert [c[1] for c in got] == [{"role": "assistant", "content": w} for w in want]
     assert all(len(c) == 2 for c in got) and all(w.strip() for w in want)
+    # one line per kept prompt, written as each chunk finished: a rerun resumes from it
+    rows = [json.loads(line) for line in progress.read_text().splitlines()]
+    assert rows == [{"index": i, "answer": w} for i, w in enumerate(want)]

@@ -146,7 +146,9 @@ def test_switches_off_when_drafts_are_never_accepted_and_back_on_when_they_are()
     arms = [tuple(h[1:]) for h in history]
     assert arms.count(OFF) >= 45  # off except for the periodic re-measurement
     engine.rate = 0.9  # the workload turns predictable (e.g. code)
-    history = run(sizer, engine, batch=1, steps=600, seed=1)
+    # back on within ~30 s of batch-1 decoding on CPU: the stale evidence that drafts
+    # fail decays while probes (every 16 steps, backing off to 128) measure the new rate
+    history = run(sizer, engine, batch=1, steps=1000, seed=1)
     arms = [tuple(h[1:]) for h in history]
     assert max(set(arms), key=arms.count) == (3, 4)
 
@@ -284,16 +286,35 @@ def test_seldom_verified_nodes_promise_no_more_than_better_ranked_ones():
     assert stats.expected_tokens(1, 2) == pytest.approx(1 + 10.5 / 41)
 
 
-def test_a_near_tie_goes_to_no_drafts():
-    """One draft predicted 2% faster than none: within what switching costs and this
-    machine's drift decide, so no drafts; 15% faster: one draft."""
-    for rate, want_off in ((0.166, True), (0.40, False)):
-        engine = SimulatedEngine(rate=rate, draft_pass=0.05, per_token=0.1)
-        gain = engine.tokens_per_second(1, (1, 2)) / engine.tokens_per_second(1, OFF)
-        assert (1.0 < gain < 1.03) if want_off else gain > 1.15
-        sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
-        arms = [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=400)]
-        assert (arms.count(OFF) >= 40) == want_off, (rate, arms)
+def test_a_near_tie_stays_on_the_side_the_sizer_is_on():
+    """Hysteresis: between drafting and no drafts, the other side must predict 5% more
+    throughput. A 2% edge either way (this machine's drift, and a crossing has costs an
+    arm's measurement leaves out) does not flip the sizer; a 15% edge does."""
+
+    def gain(engine):  # one draft's predicted throughput over no drafts'
+        return engine.tokens_per_second(1, (1, 2)) / engine.tokens_per_second(1, OFF)
+
+    def arms_after(sizer, engine, steps, seed):
+        return [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=steps, seed=seed)]
+
+    engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.1)
+    off_side = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    # (of the last 50 steps; an exploration every 1000 steps may fall among them)
+    assert arms_after(off_side, engine, 400, seed=0).count(OFF) >= 49
+    engine.rate = 0.166
+    assert 1.0 < gain(engine) < 1.03
+    assert arms_after(off_side, engine, 600, seed=1).count(OFF) >= 49  # stays off
+
+    engine = SimulatedEngine(rate=0.40, draft_pass=0.05, per_token=0.1)
+    assert gain(engine) > 1.15
+    on_side = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    assert arms_after(on_side, engine, 400, seed=2).count(OFF) <= 1
+    engine.rate = 0.121
+    assert 0.97 < gain(engine) < 1.0
+    assert arms_after(on_side, engine, 600, seed=3).count(OFF) <= 1  # stays drafting
+    engine.rate = 0.0
+    assert gain(engine) < 0.9
+    assert arms_after(on_side, engine, 600, seed=4).count(OFF) >= 49  # a clear edge crosses
 
 
 def test_explorations_back_off_while_no_drafts_keeps_winning():
