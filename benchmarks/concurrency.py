@@ -97,9 +97,18 @@ def run_worker(system: str, args) -> list[dict]:
                 tau=1 + accepted / drafts if drafts else None,
             )
             if system == "eagle2-auto":
-                history = llm.collective_rpc("eagle_vllm_sizing")[0]["history"]
+                sizing = llm.collective_rpc("eagle_vllm_sizing")[0]
+                history = sizing["history"]
                 new = history[history_len:] if len(history) < 4096 else history[-200:]
                 row["arms"] = Counter(f"{d},{m}" for _, d, m in new).most_common(3)
+                # what the sizer believed after the run at this load (its batch bucket):
+                # expected tokens per request-step and seconds per step, per measured arm
+                bucket = sizing["buckets"].get(1 << max(0, (c - 1).bit_length()), {})
+                row["sizer"] = {
+                    arm: [v["expected_tokens"], v["seconds"]]
+                    for arm, v in bucket.items()
+                    if v["seconds"]
+                }
             rows.append(row)
             print(json.dumps(row), flush=True)
     try:

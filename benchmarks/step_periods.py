@@ -6,7 +6,7 @@
 Systems as in ``cprofile_generate.py``: ``vanilla-timed`` (vanilla vLLM on the plugin's
 worker), ``off`` / ``one-draft`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one
 draft), ``auto`` (the sizer's own choice). Each repetition serves ``--concurrency``
-MT-bench first turns (after an untimed load of HumanEval prompts) and prints, per kind
+MT-bench first turns (``--prompts``; after an untimed load of the other set) and prints, per kind
 of step (prefill or decode; draft passes run in the step; tree nodes verified in it;
 batch size), the number of steps, the median period from one step's start to the next
 (what the sizer charges: runner phases plus vLLM's scheduling and output processing),
@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                    default="auto")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
+                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
@@ -59,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     runner_module.EagleRunnerMixin._observe_step_costs = record
 
     llm = in_process_engine(args.system, args.target, args.auto_config, args.concurrency)
-    prompts = _prompts("mtbench", 80, llm.get_tokenizer())
-    warm_prompts = _prompts("humaneval", 80, llm.get_tokenizer())
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[args.prompts]
+    prompts = _prompts(args.prompts, 80, llm.get_tokenizer())
+    warm_prompts = _prompts(other, 80, llm.get_tokenizer())
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     c = args.concurrency
     for rep in range(args.reps):
-        warm = SamplingParams(temperature=0, max_tokens=args.max_tokens // 2)
+        warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
         llm.generate(warm_prompts[rep * 7 : rep * 7 + c], warm, use_tqdm=False)
         steps.clear()
         start = time.perf_counter()
@@ -83,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: {len(rows)} | {1e3 * statistics.median(period):.1f}, "
                   f"{1e3 * sum(period):.0f} | {1e3 * statistics.median(draft):.1f} | "
                   f"{1e3 * sum(catch_up):.0f} | {1e3 * statistics.median(runner):.1f}")  # fmt: skip
+    if args.system != "vanilla-timed":  # what the sizer believed at the end
+        table = llm.collective_rpc("eagle_vllm_sizing")[0]
+        bucket = table["buckets"].get(1 << max(0, (c - 1).bit_length()), {})
+        print(
+            "  sizer's arms at this batch: passes,nodes: expected tokens | ms | tok/s per request"
+        )
+        for arm, row in bucket.items():
+            if row["seconds"]:
+                print(f"  {arm}: {row['expected_tokens']:.3f} | {1e3 * row['seconds']:.1f} | "
+                      f"{row['expected_tokens'] / row['seconds']:.2f}")  # fmt: skip
     return 0
 
 

@@ -26,9 +26,10 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   drafts, the big trees are never tried. Every ``explore_every`` steps (doubling, up
   to 8x, while no drafts keeps winning: each exploration costs a drafting step) either the
   stalest arm that could still win (judged without its own, possibly stale, cost)
-  is re-measured, its old samples replaced by the fresh one, or the smallest tree
-  runs as a probe that keeps acceptance measured while speculation is off; so the
-  table follows the machine and the workload.
+  is re-measured, its old samples replaced by the fresh one, or the other side is
+  probed: the smallest tree while speculation is off (keeps acceptance measured), no
+  drafts while a tree wins (keeps its cost current), the sample joining the probe's
+  two latest; so the table follows the machine and the workload.
 
 ``(0, 1)`` is always a candidate: no drafts this step. Crossing between drafting
 and no drafts needs ``speculation_margin`` (5%) more predicted throughput than the
@@ -80,14 +81,23 @@ class _Samples:
     def __init__(self, window: int):
         self.samples: deque[float] = deque(maxlen=window)
         self.last_step = -1
+        self._median: float | None = None  # read every step, changed once per step at most
 
     def add(self, seconds: float, step: int) -> None:
         self.samples.append(seconds)
         self.last_step = step
+        self._median = None
+
+    def keep_last(self, n: int) -> None:
+        while len(self.samples) > n:
+            self.samples.popleft()
+        self._median = None
 
     @property
     def value(self) -> float:
-        return statistics.median(self.samples)
+        if self._median is None:
+            self._median = statistics.median(self.samples)
+        return self._median
 
 
 @dataclass
@@ -102,11 +112,18 @@ class AcceptanceStats:
     prior_rate: float = 0.5
     hits: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
+    # E(d, m) for every d and m, rebuilt once after the counts change (the sizer reads it
+    # for every arm, several times per step)
+    _expected: list[list[float]] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         shape = (self.depth + 1, self.max_nodes)
-        self.hits = torch.zeros(shape, dtype=torch.float64)
-        self.trials = torch.zeros(shape, dtype=torch.float64)
+        self.set_counts(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape))
+
+    def set_counts(self, hits: torch.Tensor, trials: torch.Tensor) -> None:
+        self.hits = hits.to(torch.float64)
+        self.trials = trials.to(torch.float64)
+        self._expected = None
 
     def update(self, depths: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verified step. ``[R, W]`` per request and node (node 0 = root):
@@ -127,12 +144,14 @@ class AcceptanceStats:
             j = j.clamp(max=self.max_nodes - 1)
             self.trials[d].index_add_(0, j, torch.ones_like(j, dtype=torch.float64))
             self.hits[d].index_add_(0, j, accepted[keep].to(torch.float64))
+        self._expected = None
 
     def age(self) -> None:
         """One step passes: older observations weigh less (a step without drafts
         observes nothing else)."""
         self.hits *= self.decay
         self.trials *= self.decay
+        self._expected = None
 
     def rates(self, d: int) -> torch.Tensor:
         """Acceptance rate of the j-th node (index 0: the root) of trees cut at depth d.
@@ -142,9 +161,12 @@ class AcceptanceStats:
         near the prior (0.5 each) and promised more than any tree can give (SmolLM2 on
         CPU: 3.7 tokens per step for 2 passes), so big trees kept being tried at loads
         where one costs five plain steps."""
-        raw = (self.hits[d] + self.prior_rate) / (self.trials[d] + 1.0)
+        return self._all_rates()[d]
+
+    def _all_rates(self) -> torch.Tensor:
+        raw = (self.hits + self.prior_rate) / (self.trials + 1.0)
         out = raw.clone()
-        out[1:] = torch.cummin(raw[1:], dim=0).values
+        out[:, 1:] = torch.cummin(raw[:, 1:], dim=1).values
         return out
 
     def expected_tokens(self, d: int, m: int) -> float:
@@ -152,7 +174,13 @@ class AcceptanceStats:
         ``1 + d`` (one accepted draft per pass, plus the target's own token)."""
         if d == 0 or m <= 1:
             return 1.0
-        return min(1.0 + float(self.rates(d)[1:m].sum()), 1.0 + d)
+        if self._expected is None:
+            # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d
+            table = torch.ones(self.depth + 1, self.max_nodes + 1, dtype=torch.float64)
+            table[:, 2:] += torch.cumsum(self._all_rates()[:, 1:], dim=1)
+            cap = 1.0 + torch.arange(self.depth + 1, dtype=torch.float64)[:, None]
+            self._expected = torch.minimum(table, cap).tolist()
+        return self._expected[d][min(m, self.max_nodes)]
 
 
 class TreeSizer:
@@ -195,7 +223,8 @@ class TreeSizer:
         self.draft_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, passes) -> seconds
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
-        self._refresh: set[tuple[str, int, int]] = set()  # cost windows to restart
+        # cost windows an exploration renews: (kind, bucket, size) -> old samples kept
+        self._renew: dict[tuple[str, int, int], int] = {}
         self.pinned: tuple[int, int] | None = None  # set by the runner for benchmarks
 
     # -- measurements ------------------------------------------------------
@@ -208,9 +237,9 @@ class TreeSizer:
     def _observe(self, table: dict, kind: str, batch_size: int, size: int, seconds: float):
         key = (batch_bucket(batch_size), size)
         samples = table.setdefault(key, _Samples(self.window))
-        if (kind, *key) in self._refresh:
-            self._refresh.discard((kind, *key))
-            samples.samples.clear()
+        keep = self._renew.pop((kind, *key), None)
+        if keep is not None:
+            samples.keep_last(keep)
         samples.add(seconds, self.steps)
 
     def observe_acceptance(self, depths, valid, accepted) -> None:
@@ -235,41 +264,55 @@ class TreeSizer:
         """(draft passes, tree nodes) for the next step of ``batch_size`` requests."""
         self.steps += 1
         bucket = batch_bucket(batch_size)
-        arm = self._unmeasured(bucket)
+        costs = self._bucket_costs(bucket)  # once per step: this runs every step
+        drafting_now = self._last_best not in (None, OFF)
+        arm = self._unmeasured(costs)
         if arm is None and self.steps - self._last_explore >= self._explore_interval:
             if self._last_best == OFF:  # no drafts kept winning since the last one
                 self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
             else:
                 self._explore_interval = self.explore_every
             self._last_explore = self.steps
-            # alternate: the stalest arm that could still win, and the smallest tree as
-            # a cheap probe that keeps acceptance measured while speculation is off
+            # Alternate: the stalest arm that could still win, and a probe of the other
+            # side: while no drafts wins, the smallest tree (keeps acceptance measured);
+            # while a tree wins, no drafts (keeps its cost current: a stale figure for it
+            # is what the hysteresis would otherwise hold on to).
             self._explorations += 1
             probe = self._explorations % 2 == 0
-            arm = self.arms[1] if probe and len(self.arms) > 1 else self._stalest(bucket)
-            if arm is not None and not probe:
-                # its window may describe another phase of the workload (a warm-up, a
-                # burst of prefills): the fresh sample replaces it, not joins it
-                self._refresh |= {("verify", bucket, arm[1]), ("draft", bucket, arm[0])}
+            probe_arm = OFF if drafting_now else self.arms[min(1, len(self.arms) - 1)]
+            arm = None
+            if not probe:
+                # the arm in use is measured every step, the probe's at every other
+                # exploration: the stalest of the others, if any could still win
+                arm = self._stalest(bucket, costs, exclude=(probe_arm, self._last_best))
+            if arm is None:
+                # a probe's fresh sample joins its two latest (a median of three: one
+                # sample is noise on this machine, nine follow a change too slowly)
+                arm, keep = probe_arm, 2
+            else:
+                # the stalest arm's window may describe another phase of the workload (a
+                # warm-up, a burst of prefills): the fresh sample replaces it
+                keep = 0
+            self._renew[("verify", bucket, arm[1])] = keep
+            self._renew[("draft", bucket, arm[0])] = keep
         if arm is None:
-            measured = [a for a in self.arms if self._measured(bucket, a)]
-            drafting_now = self._last_best not in (None, OFF)
 
             def score(a):
-                rate = self.throughput(batch_size, a)
+                rate = self.acceptance.expected_tokens(*a) / max(costs[a], 1e-9)
                 if (a != OFF) != drafting_now:  # crossing between drafting and no drafts
                     rate /= 1.0 + self.speculation_margin
                 return (rate, -a[1], -a[0])
 
-            arm = self._last_best = max(measured, key=score)
+            arm = self._last_best = max(costs, key=score)
         self.history.append((batch_size, *arm))
         del self.history[:-4096]
         return arm
 
-    def _measured(self, bucket: int, arm: tuple[int, int]) -> bool:
-        return (bucket, arm[1]) in self.verify_cost and (bucket, arm[0]) in self.draft_cost
+    def _bucket_costs(self, bucket: int) -> dict[tuple[int, int], float]:
+        """Seconds per step of every arm measured in this batch bucket, in arm order."""
+        return {a: c for a in self.arms if (c := self._cost(bucket, a)) is not None}
 
-    def _could_win(self, bucket: int, arm: tuple[int, int], best: float, own: bool = True) -> bool:
+    def _could_win(self, costs: dict, arm: tuple[int, int], best: float, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over the largest cost measured for an arm
         with at most as many nodes and passes (its own cost can only be higher).
         ``own=False`` leaves the arm's own measurement out, for re-measuring it: a stale
@@ -277,35 +320,30 @@ class TreeSizer:
         floor = max(
             (
                 c
-                for other in self.arms
+                for other, c in costs.items()
                 if other[0] <= arm[0] and other[1] <= arm[1] and (own or other != arm)
-                and (c := self._cost(bucket, other)) is not None
             ),
             default=0.0,
-        )  # fmt: skip
+        )
         return floor <= 0 or self.acceptance.expected_tokens(*arm) / floor > best
 
-    def _best_measured(self, bucket: int) -> float:
-        rates = [
-            self.acceptance.expected_tokens(*a) / max(c, 1e-9)
-            for a in self.arms
-            if (c := self._cost(bucket, a)) is not None
-        ]
+    def _best_measured(self, costs: dict) -> float:
+        rates = [self.acceptance.expected_tokens(*a) / max(c, 1e-9) for a, c in costs.items()]
         return max(rates, default=0.0)
 
-    def _unmeasured(self, bucket: int) -> tuple[int, int] | None:
-        best = self._best_measured(bucket)
+    def _unmeasured(self, costs: dict) -> tuple[int, int] | None:
+        if len(costs) == len(self.arms):
+            return None
+        best = self._best_measured(costs)
         for arm in self.arms:  # smallest first: off, then growing trees
-            if not self._measured(bucket, arm) and self._could_win(bucket, arm, best):
+            if arm not in costs and self._could_win(costs, arm, best):
                 return arm
         return None
 
-    def _stalest(self, bucket: int) -> tuple[int, int] | None:
-        best = self._best_measured(bucket)
+    def _stalest(self, bucket: int, costs: dict, exclude=()) -> tuple[int, int] | None:
+        best = self._best_measured(costs)
         candidates = [
-            a
-            for a in self.arms
-            if self._measured(bucket, a) and self._could_win(bucket, a, best, own=False)
+            a for a in costs if a not in exclude and self._could_win(costs, a, best, own=False)
         ]
         if not candidates:
             return None
@@ -353,8 +391,10 @@ class TreeSizer:
                 table.setdefault((bucket, size), _Samples(self.window)).add(float(seconds), -1)
         acceptance = profile.get("acceptance")
         if acceptance:
-            self.acceptance.hits = torch.tensor(acceptance["hits"], dtype=torch.float64)
-            self.acceptance.trials = torch.tensor(acceptance["trials"], dtype=torch.float64)
+            self.acceptance.set_counts(
+                torch.tensor(acceptance["hits"], dtype=torch.float64),
+                torch.tensor(acceptance["trials"], dtype=torch.float64),
+            )
 
     def table(self) -> dict:
         """The current measurements and predictions, for logs and benchmarks."""

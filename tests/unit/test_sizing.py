@@ -224,7 +224,8 @@ def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
 
 def _calibrated_sizer() -> TreeSizer:
     sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
-    engine = SimulatedEngine(rate=0.8, draft_pass=0.1, per_token=0.05)
+    # no drafts clearly best at 16 requests (by 30%: beyond the hysteresis), a tree at 1
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.1, per_token=0.1)
     run(sizer, engine, batch=1, steps=120)
     run(sizer, engine, batch=16, steps=120)
     return sizer
@@ -332,3 +333,16 @@ def test_explorations_back_off_while_no_drafts_keeps_winning():
     arms = [tuple(h[1:]) for h in history]
     assert max(set(arms), key=arms.count) != OFF
     assert sizer._explore_interval == 32
+
+
+def test_while_a_tree_wins_no_drafts_is_probed_and_its_window_kept():
+    """The hysteresis holds on to the side it is on, so the other side's cost must stay
+    current: while a tree wins, half the explorations probe no drafts, and a probe adds
+    a sample (a median of several) instead of replacing the window with one."""
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.02, per_token=0.001)
+    assert best_arm(engine, 4, candidate_sizes(3, 1, 4)) != OFF
+    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    run(sizer, engine, batch=4, steps=200)
+    late = [tuple(h[1:]) for h in sizer.history[-160:]]
+    assert late.count(OFF) >= 160 // 32, late  # one probe in every two explorations
+    assert len(sizer.verify_cost[(4, 1)].samples) >= 3
