@@ -215,6 +215,7 @@ class TreeSizer:
         self._last_explore = 0
         self._last_best: tuple[int, int] | None = None
         self._explorations = 0
+        self._repeat: tuple[int, int] | None = None  # an arm to run once more (a probe)
         self.arms = candidate_sizes(depth, topk, max_nodes)
         self.acceptance = AcceptanceStats(depth, max_nodes)
         self.explore_every = explore_every
@@ -266,7 +267,9 @@ class TreeSizer:
         bucket = batch_bucket(batch_size)
         costs = self._bucket_costs(bucket)  # once per step: this runs every step
         drafting_now = self._last_best not in (None, OFF)
-        arm = self._unmeasured(costs)
+        arm, self._repeat = self._repeat, None
+        if arm is None:
+            arm = self._unmeasured(costs)
         if arm is None and self.steps - self._last_explore >= self._explore_interval:
             if self._last_best == OFF:  # no drafts kept winning since the last one
                 self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
@@ -289,6 +292,10 @@ class TreeSizer:
                 # a probe's fresh sample joins its two latest (a median of three: one
                 # sample is noise on this machine, nine follow a change too slowly)
                 arm, keep = probe_arm, 2
+                if arm == OFF:
+                    # twice: the runner measures no drafts only in a drafts-off step that
+                    # follows another (the step where drafting resumes costs more)
+                    self._repeat = OFF
             else:
                 # the stalest arm's window may describe another phase of the workload (a
                 # warm-up, a burst of prefills): the fresh sample replaces it

@@ -344,5 +344,28 @@ def test_while_a_tree_wins_no_drafts_is_probed_and_its_window_kept():
     sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
     run(sizer, engine, batch=4, steps=200)
     late = [tuple(h[1:]) for h in sizer.history[-160:]]
-    assert late.count(OFF) >= 160 // 32, late  # one probe in every two explorations
+    assert late.count(OFF) >= 2 * (160 // 32), late  # one probe in every two explorations
     assert len(sizer.verify_cost[(4, 1)].samples) >= 3
+    # two drafts-off steps per probe: the runner measures no drafts only in the second
+    runs = "".join("o" if a == OFF else "t" for a in late).strip("o").split("t")
+    assert {len(r) for r in runs if r} == {2}, late
+
+
+def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
+    """It verifies no drafts but costs more than a drafts-off step that follows another
+    (vLLM's bookkeeping around the first drafts): its drafting is charged to the passes,
+    the rest to nothing."""
+    from types import SimpleNamespace
+
+    from eagle_vllm.engine.runner import EagleRunnerMixin
+
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    runner = SimpleNamespace(sizer=sizer)
+    resume = {"batch": 4, "passes": 1, "draft": 0.006, "catch_up": 0.010, "verified_nodes": 1,
+              "decode_only": True}  # fmt: skip
+    EagleRunnerMixin._observe_step_costs(runner, resume, period=0.070)
+    assert sizer.draft_cost[(4, 1)].value == pytest.approx(0.006)
+    assert (4, 1) not in sizer.verify_cost
+    steady_off = {**resume, "passes": 0, "draft": 0.0003, "catch_up": 0.0}
+    EagleRunnerMixin._observe_step_costs(runner, steady_off, period=0.0473)
+    assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.047)
