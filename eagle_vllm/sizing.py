@@ -17,8 +17,9 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   their prior) cannot make a big tree look better than it can be.
 * ``verify(B, m)`` (the whole step except drafting: target forward, verification,
   KV compaction, vLLM's bookkeeping) and ``draft(B, d)`` (the drafter's passes)
-  are wall-clock measurements on the running hardware, kept per power-of-two
-  batch-size bucket as the median of the last few samples (robust to a stray
+  are wall-clock measurements on the running hardware, kept per exact batch size
+  and per power-of-two batch-size bucket (for batch sizes not seen yet, and for
+  calibration profiles) as the median of the last few samples (robust to a stray
   slow step: a garbage collection, another tenant). An arm not yet measured in a
   bucket is tried only if it could still win: its expected tokens over the largest
   measured cost of any smaller arm (costs grow with nodes and passes) must beat the
@@ -222,6 +223,11 @@ class TreeSizer:
         self.window = window
         self.verify_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, nodes) -> seconds
         self.draft_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, passes) -> seconds
+        # The same samples per exact batch size, preferred where measured: within a
+        # bucket a step's cost still varies with the batch (SmolLM2 on CPU, one draft
+        # per request: 59 ms at 3 requests, 75 ms at 4), and the steps of a load's tail
+        # (requests finishing) left the bucket's window describing a smaller batch.
+        self._exact: dict[str, dict[tuple[int, int], _Samples]] = {"verify": {}, "draft": {}}
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
         # cost windows an exploration renews: (kind, bucket, size) -> old samples kept
@@ -236,27 +242,36 @@ class TreeSizer:
         self._observe(self.draft_cost, "draft", batch_size, passes, seconds)
 
     def _observe(self, table: dict, kind: str, batch_size: int, size: int, seconds: float):
-        key = (batch_bucket(batch_size), size)
-        samples = table.setdefault(key, _Samples(self.window))
-        keep = self._renew.pop((kind, *key), None)
-        if keep is not None:
-            samples.keep_last(keep)
-        samples.add(seconds, self.steps)
+        bucket = batch_bucket(batch_size)
+        keep = self._renew.pop((kind, bucket, size), None)
+        for windows, key in ((table, (bucket, size)), (self._exact[kind], (batch_size, size))):
+            samples = windows.setdefault(key, _Samples(self.window))
+            if keep is not None:
+                samples.keep_last(keep)
+            samples.add(seconds, self.steps)
 
     def observe_acceptance(self, depths, valid, accepted) -> None:
         self.acceptance.update(depths, valid, accepted)
 
     # -- the decision --------------------------------------------------------
-    def _cost(self, bucket: int, arm: tuple[int, int]) -> float | None:
-        v = self.verify_cost.get((bucket, arm[1]))
-        d = self.draft_cost.get((bucket, arm[0]))
-        if v is None or d is None:
-            return None
-        return v.value + d.value
+    def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
+        """Seconds per step: the exact batch size's samples where measured, else its
+        bucket's (batch sizes not seen yet, and a calibration profile's buckets)."""
+        bucket = batch_bucket(batch_size)
+        seconds = 0.0
+        for kind, table, size in (
+            ("verify", self.verify_cost, arm[1]),
+            ("draft", self.draft_cost, arm[0]),
+        ):
+            samples = self._exact[kind].get((batch_size, size)) or table.get((bucket, size))
+            if samples is None:
+                return None
+            seconds += samples.value
+        return seconds
 
     def throughput(self, batch_size: int, arm: tuple[int, int]) -> float | None:
         """Predicted tokens per second of one request at this batch size (None: unmeasured)."""
-        cost = self._cost(batch_bucket(batch_size), arm)
+        cost = self._cost(batch_size, arm)
         if cost is None:
             return None
         return self.acceptance.expected_tokens(*arm) / max(cost, 1e-9)
@@ -265,7 +280,7 @@ class TreeSizer:
         """(draft passes, tree nodes) for the next step of ``batch_size`` requests."""
         self.steps += 1
         bucket = batch_bucket(batch_size)
-        costs = self._bucket_costs(bucket)  # once per step: this runs every step
+        costs = self._costs(batch_size)  # once per step: this runs every step
         drafting_now = self._last_best not in (None, OFF)
         arm, self._repeat = self._repeat, None
         if arm is None:
@@ -315,9 +330,9 @@ class TreeSizer:
         del self.history[:-4096]
         return arm
 
-    def _bucket_costs(self, bucket: int) -> dict[tuple[int, int], float]:
-        """Seconds per step of every arm measured in this batch bucket, in arm order."""
-        return {a: c for a in self.arms if (c := self._cost(bucket, a)) is not None}
+    def _costs(self, batch_size: int) -> dict[tuple[int, int], float]:
+        """Seconds per step of every arm measured at this batch size, in arm order."""
+        return {a: c for a in self.arms if (c := self._cost(batch_size, a)) is not None}
 
     def _could_win(self, costs: dict, arm: tuple[int, int], best: float, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over the largest cost measured for an arm
@@ -404,7 +419,8 @@ class TreeSizer:
             )
 
     def table(self) -> dict:
-        """The current measurements and predictions, for logs and benchmarks."""
+        """The current measurements and predictions, for logs and benchmarks (per bucket,
+        at the batch size that fills it)."""
         buckets = sorted({b for b, _ in self.verify_cost} | {b for b, _ in self.draft_cost})
         out = {"arms": [list(a) for a in self.arms], "buckets": {}}
         for b in buckets:

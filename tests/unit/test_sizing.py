@@ -369,3 +369,28 @@ def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
     steady_off = {**resume, "passes": 0, "draft": 0.0003, "catch_up": 0.0}
     EagleRunnerMixin._observe_step_costs(runner, steady_off, period=0.0473)
     assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.047)
+
+
+def test_a_loads_tail_at_a_smaller_batch_does_not_decide_for_the_full_batch():
+    """Requests finishing leave a few steps at a smaller batch in the same bucket. Costs
+    are kept per exact batch size too, so one draft being cheap at 3 requests (where it
+    wins) does not make it look cheap at 4 (where it loses by 19%)."""
+
+    class Tails(SimulatedEngine):
+        def verify_seconds(self, batch, nodes):
+            return 1.8 if (batch, nodes) == (4, 2) else 1.0
+
+        def draft_seconds(self, batch, passes):
+            return 0.05 + 0.02 * passes
+
+    engine = Tails(rate=0.5, draft_pass=0.0, per_token=0.0)
+    assert engine.tokens_per_second(4, (1, 2)) < 0.85 * engine.tokens_per_second(4, OFF)
+    assert engine.tokens_per_second(3, (1, 2)) > 1.4 * engine.tokens_per_second(3, OFF)
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2, explore_every=1000)
+    for cycle in range(6):
+        run(sizer, engine, batch=4, steps=40, seed=cycle)
+        for _ in range(8):  # the tail drafted (say, the tree it was on before): cheap there
+            sizer.observe_draft(3, 1, engine.draft_seconds(3, 1))
+            sizer.observe_verify(3, 2, engine.verify_seconds(3, 2))
+    full_batch = [tuple(h[1:]) for h in sizer.history if h[0] == 4][40:]  # after the first cycle
+    assert full_batch.count(OFF) == 5 * 40, full_batch
