@@ -32,10 +32,12 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   drafts while a tree wins (keeps its cost current), the sample joining the probe's
   two latest; so the table follows the machine and the workload.
 
-``(0, 1)`` is always a candidate: no drafts this step. Crossing between drafting
-and no drafts needs ``speculation_margin`` (5%) more predicted throughput than the
-side the last choice was on (hysteresis): switching has costs its measurement leaves
-out, and a near tie is this machine's noise. After a plain decode step
+``(0, 1)`` is always a candidate: no drafts this step. A tree must predict
+``speculation_margin`` (5%) more throughput than no drafts to start drafting, and
+half that to keep drafting (a band, so a near tie does not flip the sizer every few
+steps): predictions for trees came out optimistic on this CPU (a predicted tie at 4
+requests ran at 0.90x vanilla end to end), switching has costs its measurement
+leaves out, and a near tie is this machine's noise. After a plain decode step
 the runner then skips the drafter and defers its first pass (the draft KV is
 written later, many positions per forward), so a drafts-off step costs about
 what a step of vanilla vLLM costs. As the batch grows, the verify cost of extra
@@ -197,15 +199,13 @@ class TreeSizer:
         speculation_margin: float = 0.05,
     ):
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
-        # Hysteresis between drafting and no drafts: the other side must predict this
-        # much more throughput than the side the last choice was on (trees of either
-        # size compete without it; no choice yet counts as no drafts). Near a tie this
-        # machine's drift decides, and each crossing has costs an arm's measurement
-        # leaves out (the deferred draft KV written when drafts resume, a first verify
-        # of a new shape): SmolLM2 on CPU at 4 and 16 requests flipped between no
-        # drafts and one draft, predicted within 2% of each other, and lost 6-14% to
-        # vanilla. A plain bias against drafting (session 7) kept batch 1 off in 31 of
-        # 110 steps where one draft was 5-15% faster.
+        # A tree must predict this much more throughput than no drafts to start
+        # drafting, half of it to keep drafting. A bias: SmolLM2 on CPU at 4 requests,
+        # one draft per request predicted within 1% of no drafts ran at 0.88-0.93x
+        # vanilla end to end (prefill steps, the steps around a switch and the
+        # acceptance of a new load are not in the prediction). A band: with one
+        # threshold, near ties at 4 and 16 requests flipped between the two every few
+        # steps and lost 6-14% (session 7). At 1 request a draft predicts +20%.
         self.speculation_margin = speculation_margin
         # Steps between explorations: explore_every while a tree wins, doubling (up to
         # max_explore_every) while no drafts keeps winning. Each exploration costs a
@@ -321,8 +321,8 @@ class TreeSizer:
 
             def score(a):
                 rate = self.acceptance.expected_tokens(*a) / max(costs[a], 1e-9)
-                if (a != OFF) != drafting_now:  # crossing between drafting and no drafts
-                    rate /= 1.0 + self.speculation_margin
+                if a != OFF:  # to start drafting: +margin; to keep drafting: +margin/2
+                    rate /= 1.0 + self.speculation_margin / (2 if drafting_now else 1)
                 return (rate, -a[1], -a[0])
 
             arm = self._last_best = max(costs, key=score)

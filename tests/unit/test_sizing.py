@@ -287,10 +287,10 @@ def test_seldom_verified_nodes_promise_no_more_than_better_ranked_ones():
     assert stats.expected_tokens(1, 2) == pytest.approx(1 + 10.5 / 41)
 
 
-def test_a_near_tie_stays_on_the_side_the_sizer_is_on():
-    """Hysteresis: between drafting and no drafts, the other side must predict 5% more
-    throughput. A 2% edge either way (this machine's drift, and a crossing has costs an
-    arm's measurement leaves out) does not flip the sizer; a 15% edge does."""
+def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
+    """A tree must predict 5% more throughput than no drafts to start drafting and 2.5%
+    more to keep drafting: a 2% edge does not start it, a 15% edge does, a 4% edge keeps
+    it going (no flipping inside the band), and drafts never accepted stop it."""
 
     def gain(engine):  # one draft's predicted throughput over no drafts'
         return engine.tokens_per_second(1, (1, 2)) / engine.tokens_per_second(1, OFF)
@@ -299,23 +299,45 @@ def test_a_near_tie_stays_on_the_side_the_sizer_is_on():
         return [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=steps, seed=seed)]
 
     engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.1)
-    off_side = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
     # (of the last 50 steps; an exploration every 1000 steps may fall among them)
-    assert arms_after(off_side, engine, 400, seed=0).count(OFF) >= 49
+    assert arms_after(sizer, engine, 400, seed=0).count(OFF) >= 49
     engine.rate = 0.166
     assert 1.0 < gain(engine) < 1.03
-    assert arms_after(off_side, engine, 600, seed=1).count(OFF) >= 49  # stays off
+    assert arms_after(sizer, engine, 600, seed=1).count(OFF) >= 49  # does not start
 
     engine = SimulatedEngine(rate=0.40, draft_pass=0.05, per_token=0.1)
     assert gain(engine) > 1.15
-    on_side = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
-    assert arms_after(on_side, engine, 400, seed=2).count(OFF) <= 1
-    engine.rate = 0.121
-    assert 0.97 < gain(engine) < 1.0
-    assert arms_after(on_side, engine, 600, seed=3).count(OFF) <= 1  # stays drafting
+    sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    assert arms_after(sizer, engine, 400, seed=2).count(OFF) <= 1  # starts
+    engine.rate = 0.19
+    assert 1.03 < gain(engine) < 1.05
+    assert arms_after(sizer, engine, 600, seed=3).count(OFF) <= 1  # goes on
     engine.rate = 0.0
-    assert gain(engine) < 0.9
-    assert arms_after(on_side, engine, 600, seed=4).count(OFF) >= 49  # a clear edge crosses
+    assert arms_after(sizer, engine, 600, seed=4).count(OFF) >= 49  # stops
+
+
+@pytest.mark.parametrize(
+    "gain, drafting_before, drafts",
+    [(1.06, False, True), (1.04, False, False), (1.04, True, True), (1.015, True, False)],
+)
+def test_the_band_in_which_the_sizer_keeps_its_side(gain, drafting_before, drafts):
+    """The band's edges exactly, with costs and acceptance fixed: one draft must predict
+    5% over no drafts to start, 2.5% to go on."""
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2, explore_every=10**6)
+    for _ in range(3):
+        sizer.observe_verify(1, 1, 1.0)
+        sizer.observe_draft(1, 0, 0.05)
+        sizer.observe_verify(1, 2, 1.0)
+        sizer.observe_draft(1, 1, 0.05)
+    rate = gain - 1.0  # same costs: throughput ratio = expected tokens = 1 + node 1's rate
+    sizer.acceptance.set_counts(
+        torch.tensor([[0.0, 0.0], [0.0, rate * 1e6 - 0.5]]),
+        torch.tensor([[0.0, 0.0], [0.0, 1e6 - 1]]),
+    )
+    assert sizer.throughput(1, (1, 2)) / sizer.throughput(1, OFF) == pytest.approx(gain)
+    sizer._last_best = (1, 2) if drafting_before else OFF
+    assert (sizer.choose(1) != OFF) == drafts
 
 
 def test_explorations_back_off_while_no_drafts_keeps_winning():
