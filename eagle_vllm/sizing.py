@@ -294,7 +294,7 @@ class TreeSizer:
             # Alternate: the stalest arm that could still win, and a probe of the other
             # side: while no drafts wins, the smallest tree (keeps acceptance measured);
             # while a tree wins, no drafts (keeps its cost current: a stale figure for it
-            # is what the hysteresis would otherwise hold on to).
+            # is what the band would otherwise hold on to).
             self._explorations += 1
             probe = self._explorations % 2 == 0
             probe_arm = OFF if drafting_now else self.arms[min(1, len(self.arms) - 1)]
