@@ -38,21 +38,25 @@ def test_acceptance_rates_per_depth_limit():
     assert stats.expected_tokens(0, 4) == 1.0
 
 
-def test_a_prefill_step_is_charged_to_no_arm():
-    """The drafter's first pass over a prompt runs whatever the arm; charged to the arm of
-    a prefill step it made drafts-off look dearer than drafting while requests arrive."""
+def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
+    """The runner's accounting of one finished step, with only the sizer it feeds."""
     from types import SimpleNamespace
 
     from eagle_vllm.engine.runner import EagleRunnerMixin
 
+    EagleRunnerMixin._observe_step_costs(SimpleNamespace(sizer=sizer), step, period)
+
+
+def test_a_prefill_step_is_charged_to_no_arm():
+    """The drafter's first pass over a prompt runs whatever the arm; charged to the arm of
+    a prefill step it made drafts-off look dearer than drafting while requests arrive."""
     sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
-    runner = SimpleNamespace(sizer=sizer)
     prefill = {"batch": 4, "passes": 0, "draft": 0.030, "verified_nodes": 1,
                "decode_only": False}  # fmt: skip
-    EagleRunnerMixin._observe_step_costs(runner, prefill, period=0.090)
+    _charge(sizer, prefill, period=0.090)
     assert not sizer.draft_cost and not sizer.verify_cost
     decode = {**prefill, "draft": 0.001, "decode_only": True}
-    EagleRunnerMixin._observe_step_costs(runner, decode, period=0.051)
+    _charge(sizer, decode, period=0.051)
     assert sizer.draft_cost[(4, 0)].value == pytest.approx(0.001)
     assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.050)
 
@@ -209,15 +213,10 @@ def test_benchmark_pin_must_name_an_arm(monkeypatch):
 def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
     """A step that writes draft KV deferred by earlier drafts-off steps (catch_up) must
     not make its own tree look dearer: neither its drafting nor the rest of its step."""
-    from types import SimpleNamespace
-
-    from eagle_vllm.engine.runner import EagleRunnerMixin
-
     sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
-    runner = SimpleNamespace(sizer=sizer)
     step = {"batch": 4, "passes": 1, "draft": 0.002, "catch_up": 0.050, "verified_nodes": 2,
             "decode_only": True}  # fmt: skip
-    EagleRunnerMixin._observe_step_costs(runner, step, period=0.062)
+    _charge(sizer, step, period=0.062)
     assert sizer.draft_cost[(4, 1)].value == pytest.approx(0.002)
     assert sizer.verify_cost[(4, 2)].value == pytest.approx(0.010)
 
@@ -377,19 +376,14 @@ def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
     """It verifies no drafts but costs more than a drafts-off step that follows another
     (vLLM's bookkeeping around the first drafts): its drafting is charged to the passes,
     the rest to nothing."""
-    from types import SimpleNamespace
-
-    from eagle_vllm.engine.runner import EagleRunnerMixin
-
     sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
-    runner = SimpleNamespace(sizer=sizer)
     resume = {"batch": 4, "passes": 1, "draft": 0.006, "catch_up": 0.010, "verified_nodes": 1,
               "decode_only": True}  # fmt: skip
-    EagleRunnerMixin._observe_step_costs(runner, resume, period=0.070)
+    _charge(sizer, resume, period=0.070)
     assert sizer.draft_cost[(4, 1)].value == pytest.approx(0.006)
     assert (4, 1) not in sizer.verify_cost
     steady_off = {**resume, "passes": 0, "draft": 0.0003, "catch_up": 0.0}
-    EagleRunnerMixin._observe_step_costs(runner, steady_off, period=0.0473)
+    _charge(sizer, steady_off, period=0.0473)
     assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.047)
 
 
