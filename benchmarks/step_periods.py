@@ -52,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[tuple] = []
     observe = runner_module.EagleRunnerMixin._observe_step_costs
 
+    previous = {"kind": "prefill"}
+
     def record(self, step: dict, period: float) -> None:  # every step the sizer would see
         kind = "decode" if step.get("decode_only") else "prefill"
+        if kind == "decode" and previous["kind"] == "prefill":
+            kind = "decode, first after prefill"  # a suspected outlier, kept apart
+        previous["kind"] = "decode" if step.get("decode_only") else "prefill"
         key = (kind, step.get("passes", 0), step.get("verified_nodes", 1), step.get("batch", 0))
         steps.append((key, period, step.get("draft", 0.0), step.get("catch_up", 0.0),
                       step.get("runner_seconds", 0.0)))  # fmt: skip

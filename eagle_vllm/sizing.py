@@ -12,7 +12,9 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   smaller tree, ``tree/builder.py``), and a node's acceptance depends only on its
   own path, so ``rate_d[j]`` (how often the j-th node is accepted) is measured
   from every verified tree, for every depth limit at once. Acceptance does not
-  depend on load, so it is shared by all batch sizes. A node's rate never exceeds
+  depend on load, so it is shared by all batch sizes; it does depend on sampling,
+  so greedy and sampled requests keep their own rates and a batch's ``E`` weighs
+  the two by their share of it. A node's rate never exceeds
   a better-ranked node's, and ``E(d, m) <= 1 + d``, so nodes seldom verified (near
   their prior) cannot make a big tree look better than it can be.
 * ``verify(B, m)`` (the whole step except drafting: target forward, verification,
@@ -54,6 +56,13 @@ from dataclasses import dataclass, field
 import torch
 
 OFF = (0, 1)  # (draft passes, tree nodes): no speculation this step
+# Acceptance is kept per class of request: sampled requests accept fewer drafts than
+# greedy ones (SmolLM2 on HumanEval, one draft: about 1.26 tokens per step at T=1, 1.35
+# at T=0), and a batch may hold both.
+GREEDY, SAMPLED = "greedy", "sampled"
+# A class seen for the first time starts from the other class's rates, weighted as this
+# many verified drafts of its best node: its own first few steps outvote them.
+SEED_TRIALS = 8.0
 PROFILE_VERSION = 1  # eagle-vllm calibrate's output (TreeSizer.export_profile)
 
 
@@ -122,6 +131,15 @@ class AcceptanceStats:
     def __post_init__(self) -> None:
         shape = (self.depth + 1, self.max_nodes)
         self.set_counts(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape))
+
+    @property
+    def observed(self) -> bool:
+        return bool(self.trials.any())
+
+    def seed_from(self, other: AcceptanceStats, weight: float = SEED_TRIALS) -> None:
+        """Start from ``other``'s rates, worth at most ``weight`` trials of any node."""
+        scale = min(1.0, weight / max(float(other.trials.max()), 1e-9))
+        self.set_counts(other.hits * scale, other.trials * scale)
 
     def set_counts(self, hits: torch.Tensor, trials: torch.Tensor) -> None:
         self.hits = hits.to(torch.float64)
@@ -218,7 +236,8 @@ class TreeSizer:
         self._explorations = 0
         self._repeat: tuple[int, int] | None = None  # an arm to run once more (a probe)
         self.arms = candidate_sizes(depth, topk, max_nodes)
-        self.acceptance = AcceptanceStats(depth, max_nodes)
+        self.acceptance_of = {c: AcceptanceStats(depth, max_nodes) for c in (GREEDY, SAMPLED)}
+        self._sampled_share = 0.0  # of the batch chose() was last asked about
         self.explore_every = explore_every
         self.window = window
         self.verify_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, nodes) -> seconds
@@ -228,6 +247,15 @@ class TreeSizer:
         # per request: 59 ms at 3 requests, 75 ms at 4), and the steps of a load's tail
         # (requests finishing) left the bucket's window describing a smaller batch.
         self._exact: dict[str, dict[tuple[int, int], _Samples]] = {"verify": {}, "draft": {}}
+        # A calibration profile's costs, and how this engine's live samples compare with
+        # them per (kind, bucket): the machine drifts as a whole (SmolLM2 on CPU, a day
+        # after calibrating: 42 ms for a drafts-off step at 4 requests against the
+        # profile's 55, and 58 against 74 for one draft). Costs only the profile has
+        # measured are scaled by that ratio; unscaled, the arm in use was compared with
+        # a stale competitor until an exploration re-measured it (50 steps drafting at
+        # 0.82x vanilla).
+        self._profile_cost: dict[tuple[str, int, int], float] = {}
+        self._drift: dict[tuple[str, int], _Samples] = {}
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
         # cost windows an exploration renews: (kind, bucket, size) -> old samples kept
@@ -244,14 +272,55 @@ class TreeSizer:
     def _observe(self, table: dict, kind: str, batch_size: int, size: int, seconds: float):
         bucket = batch_bucket(batch_size)
         keep = self._renew.pop((kind, bucket, size), None)
+        profiled = self._profile_cost.get((kind, bucket, size))
+        if profiled is not None:
+            drift = self._drift.setdefault((kind, bucket), _Samples(self.window))
+            drift.add(seconds / profiled, self.steps)
         for windows, key in ((table, (bucket, size)), (self._exact[kind], (batch_size, size))):
             samples = windows.setdefault(key, _Samples(self.window))
             if keep is not None:
                 samples.keep_last(keep)
             samples.add(seconds, self.steps)
 
-    def observe_acceptance(self, depths, valid, accepted) -> None:
-        self.acceptance.update(depths, valid, accepted)
+    @property
+    def acceptance(self) -> AcceptanceStats:
+        """The greedy requests' acceptance (calibration profiles measure it at T=0)."""
+        return self.acceptance_of[GREEDY]
+
+    def observe_acceptance(self, depths, valid, accepted, sampled=None) -> None:
+        """One verified step (``AcceptanceStats.update``); ``sampled``: ``[R]`` bool, which
+        requests sample (temperature > 0), None if none do."""
+        if sampled is None or not bool(torch.as_tensor(sampled).any()):
+            self.acceptance_of[GREEDY].update(depths, valid, accepted)
+            return
+        sampled = torch.as_tensor(sampled, dtype=torch.bool).cpu()
+        for cls, rows in ((GREEDY, ~sampled), (SAMPLED, sampled)):
+            if rows.any():
+                self._seed(cls)
+                self.acceptance_of[cls].update(depths[rows], valid[rows], accepted[rows])
+
+    def age_acceptance(self) -> None:
+        """A step without drafts: the classes in the batch age (nothing is observed)."""
+        for cls, share in ((GREEDY, 1.0 - self._sampled_share), (SAMPLED, self._sampled_share)):
+            if share > 0:
+                self.acceptance_of[cls].age()
+
+    def _seed(self, cls: str) -> None:
+        """A class never observed starts from the other's rates (weakly), not the prior."""
+        stats = self.acceptance_of[cls]
+        other = self.acceptance_of[SAMPLED if cls == GREEDY else GREEDY]
+        if not stats.observed and other.observed:
+            stats.seed_from(other)
+
+    def expected_tokens(self, arm: tuple[int, int]) -> float:
+        """Tokens per request per step for the batch chose() was last asked about: each
+        class's E(d, m), weighted by its share of the batch."""
+        share = self._sampled_share
+        greedy = self.acceptance_of[GREEDY].expected_tokens(*arm) if share < 1 else 0.0
+        if share <= 0:
+            return greedy
+        sampled = self.acceptance_of[SAMPLED].expected_tokens(*arm)
+        return (1.0 - share) * greedy + share * sampled
 
     # -- the decision --------------------------------------------------------
     def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
@@ -266,7 +335,10 @@ class TreeSizer:
             samples = self._exact[kind].get((batch_size, size)) or table.get((bucket, size))
             if samples is None:
                 return None
-            seconds += samples.value
+            value = samples.value
+            if samples.last_step < 0 and (drift := self._drift.get((kind, bucket))):
+                value *= drift.value  # only the profile's seed: scaled as the machine drifted
+            seconds += value
         return seconds
 
     def throughput(self, batch_size: int, arm: tuple[int, int]) -> float | None:
@@ -274,11 +346,17 @@ class TreeSizer:
         cost = self._cost(batch_size, arm)
         if cost is None:
             return None
-        return self.acceptance.expected_tokens(*arm) / max(cost, 1e-9)
+        return self.expected_tokens(arm) / max(cost, 1e-9)
 
-    def choose(self, batch_size: int) -> tuple[int, int]:
-        """(draft passes, tree nodes) for the next step of ``batch_size`` requests."""
+    def choose(self, batch_size: int, num_sampled: int = 0) -> tuple[int, int]:
+        """(draft passes, tree nodes) for the next step of ``batch_size`` requests, of which
+        ``num_sampled`` sample (temperature > 0) and the rest are greedy."""
         self.steps += 1
+        self._sampled_share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
+        if self._sampled_share > 0:
+            self._seed(SAMPLED)
+        if self._sampled_share < 1:
+            self._seed(GREEDY)
         bucket = batch_bucket(batch_size)
         costs = self._costs(batch_size)  # once per step: this runs every step
         drafting_now = self._last_best not in (None, OFF)
@@ -320,7 +398,7 @@ class TreeSizer:
         if arm is None:
 
             def score(a):
-                rate = self.acceptance.expected_tokens(*a) / max(costs[a], 1e-9)
+                rate = self.expected_tokens(a) / max(costs[a], 1e-9)
                 if a != OFF:  # to start drafting: +margin; to keep drafting: +margin/2
                     rate /= 1.0 + self.speculation_margin / (2 if drafting_now else 1)
                 return (rate, -a[1], -a[0])
@@ -347,10 +425,10 @@ class TreeSizer:
             ),
             default=0.0,
         )
-        return floor <= 0 or self.acceptance.expected_tokens(*arm) / floor > best
+        return floor <= 0 or self.expected_tokens(arm) / floor > best
 
     def _best_measured(self, costs: dict) -> float:
-        rates = [self.acceptance.expected_tokens(*a) / max(c, 1e-9) for a, c in costs.items()]
+        rates = [self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()]
         return max(rates, default=0.0)
 
     def _unmeasured(self, costs: dict) -> tuple[int, int] | None:
@@ -392,9 +470,14 @@ class TreeSizer:
             "max_nodes": self.max_nodes,
             "verify_seconds": costs(self.verify_cost),
             "draft_seconds": costs(self.draft_cost),
-            "acceptance": {
-                "hits": self.acceptance.hits.tolist(),
-                "trials": self.acceptance.trials.tolist(),
+            # greedy requests' (calibration runs at T=0); sampled requests' if observed
+            **{
+                key: {"hits": stats.hits.tolist(), "trials": stats.trials.tolist()}
+                for key, stats in (
+                    ("acceptance", self.acceptance_of[GREEDY]),
+                    ("acceptance_sampled", self.acceptance_of[SAMPLED]),
+                )
+                if key == "acceptance" or stats.observed
             },
         }
 
@@ -402,7 +485,9 @@ class TreeSizer:
         """Seed the tables from ``export_profile``'s output: one sample per cost, older
         than any the engine takes (so it is re-measured first, and outvoted by the
         engine's own samples), and the acceptance counts. New batch buckets then start
-        from measured costs instead of trying every arm."""
+        from measured costs instead of trying every arm. A cost only the profile has
+        measured is scaled by how this engine's samples of the bucket's other costs
+        compare with the profile's (the machine's drift since calibrating)."""
         check_profile(profile, self.depth, self.topk, self.max_nodes)
         for name, table in (
             ("verify_seconds", self.verify_cost),
@@ -411,12 +496,14 @@ class TreeSizer:
             for key, seconds in profile[name].items():
                 bucket, size = (int(x) for x in key.split(","))
                 table.setdefault((bucket, size), _Samples(self.window)).add(float(seconds), -1)
-        acceptance = profile.get("acceptance")
-        if acceptance:
-            self.acceptance.set_counts(
-                torch.tensor(acceptance["hits"], dtype=torch.float64),
-                torch.tensor(acceptance["trials"], dtype=torch.float64),
-            )
+                self._profile_cost[(name.split("_")[0], bucket, size)] = float(seconds)
+        for key, cls in (("acceptance", GREEDY), ("acceptance_sampled", SAMPLED)):
+            acceptance = profile.get(key)
+            if acceptance:
+                self.acceptance_of[cls].set_counts(
+                    torch.tensor(acceptance["hits"], dtype=torch.float64),
+                    torch.tensor(acceptance["trials"], dtype=torch.float64),
+                )
 
     def table(self) -> dict:
         """The current measurements and predictions, for logs and benchmarks (per bucket,
@@ -426,7 +513,7 @@ class TreeSizer:
         for b in buckets:
             out["buckets"][b] = {
                 f"{d},{m}": {
-                    "expected_tokens": round(self.acceptance.expected_tokens(d, m), 3),
+                    "expected_tokens": round(self.expected_tokens((d, m)), 3),
                     "seconds": None if (c := self._cost(b, (d, m))) is None else round(c, 5),
                 }
                 for d, m in self.arms
@@ -458,10 +545,11 @@ def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> Non
                 bucket, size = (int(x) for x in key.split(","))
                 if bucket < 1 or size < 0 or not float(seconds) > 0:
                     raise ValueError(f"{name}[{key!r}] = {seconds!r}")
-        acceptance = profile.get("acceptance")
-        if acceptance:
-            for name in ("hits", "trials"):
-                if list(torch.tensor(acceptance[name]).shape) != shape:
-                    raise ValueError(f"acceptance {name} is not {shape}")
+        for key in ("acceptance", "acceptance_sampled"):
+            acceptance = profile.get(key)
+            if acceptance:
+                for name in ("hits", "trials"):
+                    if list(torch.tensor(acceptance[name]).shape) != shape:
+                        raise ValueError(f"{key} {name} is not {shape}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed ({exc}). Fix: {fix}") from None

@@ -149,7 +149,15 @@ class EagleRunnerMixin:
         if self._planned_size is not None:  # decided earlier in this step
             choice, self._planned_size = self._planned_size, None
             return choice
-        choice = self.sizer.choose(batch_size)
+        # vLLM 0.32 InputBatch: random_reqs holds the requests with temperature > 0
+        batch = self.input_batch
+        sampled = batch.random_reqs
+        num_sampled = (
+            len(sampled)
+            if batch_size == batch.num_reqs
+            else sum(r in sampled for r in batch.req_ids[:batch_size])
+        )
+        choice = self.sizer.choose(batch_size, num_sampled=num_sampled)
         if self.sizer.pinned is not None:  # benchmarks: one arm, still measured
             choice = self.sizer.pinned
             self.sizer.history[-1] = (batch_size, *choice)
@@ -197,7 +205,9 @@ class EagleRunnerMixin:
         last = self.drafter.last_drafts
         drafted = {} if last is None else {r: i for i, r in enumerate(last.req_ids)}
         rows, src = [], []
+        sampled = torch.zeros(batch, dtype=torch.bool)
         for row, req_id in enumerate(self.input_batch.req_ids[:batch]):
+            sampled[row] = req_id in self.input_batch.random_reqs
             i = drafted.get(req_id)
             if i is None or (
                 self._uses_trees
@@ -216,7 +226,7 @@ class EagleRunnerMixin:
             rows = torch.arange(batch)[:, None].expand_as(path)
             hit = path >= 0
             accepted[rows[hit], path[hit].clamp(max=width)] = True
-        self.sizer.observe_acceptance(depths, valid, accepted[:, :width])
+        self.sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled)
 
     # -- step 1: positions ---------------------------------------------------
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -349,7 +359,7 @@ class EagleRunnerMixin:
             out = super()._sample(logits, verifying)
         if self.sizer is not None and spec_decode_metadata is not None:
             if verifying is None:  # no drafts: nothing accepted or rejected to count
-                self.sizer.acceptance.age()
+                self.sizer.age_acceptance()
             else:
                 self._observe_acceptance(spec_decode_metadata)
         if self.tree_batch is not None and spec_decode_metadata is not None:

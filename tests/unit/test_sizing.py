@@ -105,17 +105,26 @@ class SimulatedEngine:
         return expected / (self.verify_seconds(batch, m) + self.draft_seconds(batch, d))
 
 
-def run(sizer: TreeSizer, engine: SimulatedEngine, batch: int, steps: int, seed: int = 0):
+def run(
+    sizer: TreeSizer,
+    engine: SimulatedEngine,
+    batch: int,
+    steps: int,
+    seed: int = 0,
+    sampled: bool = False,
+):
+    """``steps`` steps of ``batch`` requests, all greedy or all sampling (``sampled``)."""
     gen = torch.Generator().manual_seed(seed)
     last_nodes = 1
     for _ in range(steps):
         sizer.observe_verify(batch, last_nodes, engine.verify_seconds(batch, last_nodes))
-        d, m = sizer.choose(batch)
+        d, m = sizer.choose(batch, num_sampled=batch if sampled else 0)
         sizer.observe_draft(batch, d, engine.draft_seconds(batch, d))
         if d:
             depths = torch.arange(m)[None, :].repeat(batch, 1)  # chain-shaped trees
             valid = torch.ones(batch, m, dtype=torch.bool)
-            sizer.observe_acceptance(depths, valid, engine.accepted(batch, m, gen))
+            rows = torch.full((batch,), sampled)
+            sizer.observe_acceptance(depths, valid, engine.accepted(batch, m, gen), rows)
         last_nodes = m
     return sizer.history[-50:]
 
@@ -410,3 +419,106 @@ def test_a_loads_tail_at_a_smaller_batch_does_not_decide_for_the_full_batch():
             sizer.observe_verify(3, 2, engine.verify_seconds(3, 2))
     full_batch = [tuple(h[1:]) for h in sizer.history if h[0] == 4][40:]  # after the first cycle
     assert full_batch.count(OFF) == 5 * 40, full_batch
+
+
+def test_acceptance_is_kept_per_temperature_class():
+    """Sampled requests accept fewer drafts than greedy ones. With one table, a sampled
+    load taught the sizer that drafts fail, and the greedy load after it ran without
+    drafts until explorations relearned it; per class, greedy drafts again at once."""
+    greedy = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
+    sampled = SimulatedEngine(rate=0.02, draft_pass=0.05, per_token=0.02)
+    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    run(sizer, greedy, batch=1, steps=150)
+    assert sizer.history[-1][1] > 0  # greedy drafts
+    tail = run(sizer, sampled, batch=1, steps=150, sampled=True)
+    assert sum(d == 0 for _, d, _ in tail) >= 45, tail  # sampled: no drafts but probes
+    back = run(sizer, greedy, batch=1, steps=5)[-5:]
+    assert all(d > 0 for _, d, _ in back), back
+
+
+def test_a_mixed_batch_expects_the_classes_weighted_by_their_share():
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    hits = torch.zeros(2, 2, dtype=torch.float64)
+    trials = torch.zeros(2, 2, dtype=torch.float64)
+    trials[1, 1] = 1000.0
+    for cls, rate in (("greedy", 0.8), ("sampled", 0.2)):
+        hits[1, 1] = rate * 1000.0
+        sizer.acceptance_of[cls].set_counts(hits.clone(), trials.clone())
+    e_greedy = sizer.acceptance_of["greedy"].expected_tokens(1, 2)
+    e_sampled = sizer.acceptance_of["sampled"].expected_tokens(1, 2)
+    assert e_greedy == pytest.approx(1.8, abs=1e-3) and e_sampled == pytest.approx(1.2, abs=1e-3)
+    for num_sampled, want in (
+        (0, e_greedy),
+        (4, e_sampled),
+        (1, 0.75 * e_greedy + 0.25 * e_sampled),
+    ):
+        sizer.choose(4, num_sampled=num_sampled)
+        assert sizer.expected_tokens((1, 2)) == pytest.approx(want)
+
+
+def test_a_new_class_starts_from_the_others_rates_and_learns_its_own_fast():
+    """A sampled load after a greedy profile starts from the greedy rates, not from the
+    optimistic prior (0.5 a node), and a few steps of its own outvote them."""
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    hits = torch.zeros(2, 2, dtype=torch.float64)
+    trials = torch.zeros(2, 2, dtype=torch.float64)
+    hits[1, 1], trials[1, 1] = 350.0, 1000.0  # greedy: E(1, 2) = 1.35
+    sizer.acceptance.set_counts(hits, trials)
+    sizer.choose(4, num_sampled=4)
+    assert sizer.expected_tokens((1, 2)) == pytest.approx(1.35, abs=0.02)  # prior: 1.5
+    depths = torch.tensor([[0, 1]]).repeat(4, 1)
+    valid = torch.ones(4, 2, dtype=torch.bool)
+    accepted = torch.tensor([[True, True], [True, False], [True, False], [True, False]])
+    for _ in range(6):  # a quarter of the drafts accepted
+        sizer.observe_acceptance(depths, valid, accepted, torch.ones(4, dtype=torch.bool))
+    assert sizer.expected_tokens((1, 2)) < 1.29
+    assert sizer.acceptance.expected_tokens(1, 2) == pytest.approx(1.35, abs=1e-3)  # untouched
+
+
+def test_a_profile_carries_both_classes():
+    import json
+
+    sizer = _calibrated_sizer()
+    assert "acceptance_sampled" not in sizer.export_profile()  # calibration runs at T=0
+    run(sizer, SimulatedEngine(rate=0.1, draft_pass=0.05, per_token=0.02), 1, 50, sampled=True)
+    profile = json.loads(json.dumps(sizer.export_profile()))
+    assert "acceptance_sampled" in profile
+    fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
+    fresh.load_profile(profile)
+    for cls in ("greedy", "sampled"):
+        assert torch.equal(fresh.acceptance_of[cls].hits, sizer.acceptance_of[cls].hits)
+
+
+def test_profile_costs_follow_the_machine_s_drift_since_calibrating():
+    """A profile made when the machine was 30% slower: the arm in use is measured live
+    at once, its competitor only by the profile. Unscaled, no drafts looked 30% dear
+    and one draft kept running until an exploration re-measured it (32 steps);
+    scaled by the live/profile ratio of the arm in use, the sizer turns drafts off as
+    soon as it has learned their acceptance."""
+    verify = {1: 0.041, 2: 0.052}  # live seconds per step at 4 requests, by tree nodes
+    draft = {0: 0.001, 1: 0.006}  # by draft passes
+    profile = {
+        "eagle_vllm_sizing_profile": 1,
+        "depth": 1,
+        "topk": 1,
+        "max_nodes": 2,
+        "verify_seconds": {f"4,{n}": 1.3 * s for n, s in verify.items()},
+        "draft_seconds": {f"4,{d}": 1.3 * s for d, s in draft.items()},
+        # greedy, E(1, 2) = 1.45 over 40 verified drafts; this load accepts 10%
+        "acceptance": {"hits": [[0.0, 0.0], [0.0, 18.0]], "trials": [[0.0, 0.0], [0.0, 40.0]]},
+    }
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    sizer.load_profile(profile)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(24):
+        d, m = sizer.choose(4)
+        sizer.observe_draft(4, d, draft[d])
+        if d:
+            accepted = torch.rand(4, 2, generator=gen) < 0.1
+            accepted[:, 0] = True
+            depths = torch.tensor([[0, 1]]).repeat(4, 1)
+            sizer.observe_acceptance(depths, torch.ones(4, 2, dtype=torch.bool), accepted)
+        sizer.observe_verify(4, m, verify[m])
+    choices = [h[1:] for h in sizer.history]
+    assert choices[0] == (1, 2)  # the profile's acceptance and costs: drafting wins
+    assert all(c == OFF for c in choices[14:24]), choices
