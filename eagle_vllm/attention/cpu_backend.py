@@ -43,37 +43,56 @@ def current_tree_batch() -> TreeBatch | None:
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        out = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
-        )
         batch = current_tree_batch()
         if batch is None or attn_metadata is None or batch.parents.shape[0] == 0:
-            return out
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
         check_cpu_isa(layer.isa)
         num_tokens = query.shape[0]
         plan = batch.attention_plan(query.dtype, kv_cache.shape[2])
-        q = query.view(num_tokens, self.num_heads, self.head_size)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        node_k, node_v = k[plan.rows], v[plan.rows]  # [R, N, Hkv, D]
+        if plan.covers(attn_metadata.num_actual_tokens):
+            # Every row is a tree row and is computed below: the stock kernel's causal
+            # pass over them would be thrown away.
+            out = output
+        else:
+            out = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
+        # index_select, and one copy into place per tensor (the prefix spans whole blocks):
+        # on this CPU the tree path's cost was mostly copies and per-op overhead
+        # (advanced indexing, permute-reshape, cat), not SDPA's arithmetic
+        r, n = batch.parents.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        node_k = key.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
+        node_v = value.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
         batch.captured_kv[layer.layer_name] = (node_k, node_v)
-        # prefix K/V straight into SDPA's [R, Hkv, P, D] layout (one copy per layer)
-        k_t, v_blocks = cpu_kv_views(kv_cache)
-        r, p, d = plan.blocks.shape[0], plan.prefix_len, self.head_size
-        prefix_k = k_t[plan.blocks].permute(0, 2, 1, 4, 3).reshape(r, self.num_kv_heads, -1, d)
-        prefix_v = v_blocks[plan.blocks].permute(0, 2, 1, 3, 4).reshape(r, self.num_kv_heads, -1, d)
-        keys = torch.cat([prefix_k[:, :, :p].to(q.dtype), node_k.transpose(1, 2)], dim=2)
-        values = torch.cat([prefix_v[:, :, :p].to(q.dtype), node_v.transpose(1, 2)], dim=2)
+        k_t, v_blocks = cpu_kv_views(kv_cache)  # [blk, H, D, off], [blk, H, off, D]
+        nb, bs = plan.num_blocks, kv_cache.shape[2]
+        span = nb * bs
+        keys = torch.empty(r, hkv, span + n, d, dtype=query.dtype)
+        values = torch.empty_like(keys)
+        keys[:, :, :span].view(r, hkv, nb, bs, d).copy_(
+            k_t.index_select(0, plan.blocks).view(r, nb, hkv, d, bs).permute(0, 2, 1, 4, 3)
+        )
+        values[:, :, :span].view(r, hkv, nb, bs, d).copy_(
+            v_blocks.index_select(0, plan.blocks).view(r, nb, hkv, bs, d).permute(0, 2, 1, 3, 4)
+        )
+        keys[:, :, span:].copy_(node_k.transpose(1, 2))
+        values[:, :, span:].copy_(node_v.transpose(1, 2))
+        q = query.view(num_tokens, hq, d).index_select(0, plan.rows).view(r, n, hq, d)
         tree_out = F.scaled_dot_product_attention(
-            q[plan.rows].transpose(1, 2),
+            q.transpose(1, 2),
             keys,
             values,
             attn_mask=plan.mask,
             scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).transpose(1, 2)
-        out_view = out.view(num_tokens, self.num_heads, self.head_size)
-        out_view[plan.valid_rows] = tree_out[plan.valid].to(out_view.dtype)
+            enable_gqa=hq != hkv,
+        )
+        tree_out = tree_out.transpose(1, 2).reshape(r * n, hq * d).to(out.dtype)
+        if plan.valid_nodes is not None:  # padding rows repeat the root: leave them out
+            tree_out = tree_out.index_select(0, plan.valid_nodes)
+        out.view(num_tokens, hq * d).index_copy_(0, plan.valid_rows, tree_out)
         return out
 
 

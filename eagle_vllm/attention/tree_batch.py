@@ -15,12 +15,17 @@ import torch
 class AttentionPlan:
     """Per-step inputs of the tree attention, shared by all layers (``attention_plan``)."""
 
-    rows: torch.Tensor  # [R, N] flat query rows of the nodes
-    valid: torch.Tensor  # [R, N] real nodes (not padding)
-    valid_rows: torch.Tensor  # rows[valid]
-    prefix_len: int  # longest prefix (positions before the root)
-    blocks: torch.Tensor  # [R, ceil(prefix_len / block)] int64 block ids
-    mask: torch.Tensor  # [R, 1, N, prefix_len + N] additive: 0 visible, -inf hidden
+    rows: torch.Tensor  # [R * N] flat query rows of the nodes, request by request
+    valid_rows: torch.Tensor  # flat query rows of the real nodes (not padding)
+    valid_nodes: torch.Tensor | None  # their indices in ``rows`` (None: every node is real)
+    blocks: torch.Tensor  # [R * B] int64 block ids of each request's first B blocks
+    num_blocks: int  # B: the blocks holding the longest prefix (positions before a root)
+    mask: torch.Tensor  # [R, 1, N, B * block + N] additive: 0 visible, -inf hidden
+
+    def covers(self, num_tokens: int) -> bool:
+        """Whether the tree rows are all of the step's ``num_tokens`` query rows (then no
+        row needs the stock causal kernel)."""
+        return self.valid_rows.numel() == num_tokens
 
 
 @dataclass
@@ -86,24 +91,25 @@ class TreeBatch:
         return self._ancestor_mask
 
     def attention_plan(self, dtype: torch.dtype, block_size: int) -> AttentionPlan:
-        """What every attention layer of this step shares, built once per step."""
+        """What every attention layer of this step shares, built once per step. The
+        prefix spans whole blocks (the cache's own layout, so gathering it is one copy);
+        positions past a request's root are masked."""
         key = (dtype, block_size)
         if key not in self._plans:
             rows, valid = self.flat_rows(), self.valid()
-            prefix = max(int(self.root_pos.max()), 1)
-            prefix_ok = torch.arange(prefix)[None, :] < self.root_pos[:, None]
+            num_blocks = -(-max(int(self.root_pos.max()), 1) // block_size)
+            span = num_blocks * block_size
+            prefix_ok = torch.arange(span)[None, :] < self.root_pos[:, None]
             r, n = self.parents.shape
-            allowed = torch.cat(
-                [prefix_ok[:, None, :].expand(r, n, prefix), self.ancestor_mask()], 2
-            )
+            allowed = torch.cat([prefix_ok[:, None, :].expand(r, n, span), self.ancestor_mask()], 2)
             additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
-            num_blocks = -(-prefix // block_size)
+            flat_valid = valid.reshape(-1)
             self._plans[key] = AttentionPlan(
-                rows=rows,
-                valid=valid,
+                rows=rows.reshape(-1),
                 valid_rows=rows[valid],
-                prefix_len=prefix,
-                blocks=self.block_table[:, :num_blocks].long(),
+                valid_nodes=None if bool(flat_valid.all()) else flat_valid.nonzero()[:, 0],
+                blocks=self.block_table[:, :num_blocks].reshape(-1).long(),
+                num_blocks=num_blocks,
                 mask=additive[:, None],
             )
         return self._plans[key]

@@ -1,0 +1,106 @@
+"""The CPU tree attention (attention/cpu_backend.py) against the torch reference.
+
+Ragged batches of random trees over prefixes that span several cache blocks, the
+K/V written into vLLM's paged CPU cache by vLLM's own writer: every real node's
+output must match ``prefix_tree_attention`` on the dense prefix, and the captured
+node K/V (used by KV compaction) must be the step's own.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+H_Q, H_KV, D, BLOCK = 9, 3, 64, 16
+
+
+def _random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A topologically ordered tree of n nodes (node 0 the root)."""
+    parents = torch.full((n,), -1, dtype=torch.int64)
+    for i in range(1, n):
+        parents[i] = int(torch.randint(0, i, (1,), generator=gen))
+    return parents
+
+
+def _depths(parents: torch.Tensor) -> torch.Tensor:
+    depths = torch.zeros_like(parents)
+    for i in range(1, parents.numel()):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+@pytest.mark.parametrize("num_nodes, prefixes", [([5, 5], [40, 17]), ([7, 2, 4], [3, 50, 33])])
+def test_tree_rows_match_the_reference(num_nodes: list[int], prefixes: list[int]):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from eagle_vllm.attention.cpu_backend import TreeCPUAttentionImpl, verifying_trees
+    from eagle_vllm.attention.paged_kv import gather_cpu_kv
+    from eagle_vllm.attention.reference import prefix_tree_attention
+    from eagle_vllm.attention.tree_batch import TreeBatch
+
+    gen = torch.Generator().manual_seed(sum(num_nodes) + sum(prefixes))
+    r, width = len(num_nodes), max(num_nodes)
+    isa = _get_attn_isa(torch.float32, BLOCK, D)
+    max_blocks = -(-(max(prefixes) + width) // BLOCK)
+    kv_cache = torch.zeros(r * max_blocks + 1, H_KV, BLOCK, 2 * D)
+    block_table = (torch.randperm(r * max_blocks, generator=gen) + 1).view(r, -1).to(torch.int32)
+    view = kv_cache.view(kv_cache.shape[0], H_KV, BLOCK * 2, D)
+    key_cache, value_cache = view.chunk(2, dim=2)
+
+    def write(b: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = block_table[b, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+
+    # the step's query rows: request b's nodes at flat rows root_index[b] + j
+    root_index = torch.tensor([0, *torch.tensor(num_nodes).cumsum(0)[:-1].tolist()])
+    total = sum(num_nodes)
+    query = torch.randn(total, H_Q, D, generator=gen)
+    key = torch.randn(total, H_KV, D, generator=gen)
+    value = torch.randn(total, H_KV, D, generator=gen)
+    parents = torch.full((r, width), -1, dtype=torch.int64)
+    depths = torch.zeros(r, width, dtype=torch.int64)
+    for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
+        pos = torch.arange(p)
+        write(
+            b, pos, torch.randn(p, H_KV, D, generator=gen), torch.randn(p, H_KV, D, generator=gen)
+        )
+        rows = slice(int(root_index[b]), int(root_index[b]) + n)
+        write(b, p + torch.arange(n), key[rows], value[rows])  # tree nodes in slot order
+        parents[b, :n] = _random_parents(n, gen)
+        depths[b, :n] = _depths(parents[b, :n])
+    batch = TreeBatch(
+        batch_rows=torch.arange(r),
+        root_index=root_index,
+        root_pos=torch.tensor(prefixes),
+        num_nodes=torch.tensor(num_nodes),
+        parents=parents,
+        depths=depths,
+        block_table=block_table,
+    )
+    # what the tree path reads of the impl (its __init__ needs a whole VllmConfig; the
+    # stock kernel is not called when every row is a tree row)
+    impl = TreeCPUAttentionImpl.__new__(TreeCPUAttentionImpl)
+    impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = H_Q, H_KV, D, D**-0.5
+    layer = SimpleNamespace(isa=isa, layer_name="layers.0.attn")
+    output = torch.full((total, H_Q * D), float("nan"))
+    with verifying_trees(batch):
+        impl.forward(layer, query, key, value, kv_cache, SimpleNamespace(num_actual_tokens=total),
+                     output)  # fmt: skip
+
+    mask = batch.ancestor_mask()
+    for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
+        pk, pv = gather_cpu_kv(kv_cache, block_table[b : b + 1], p)
+        rows = slice(int(root_index[b]), int(root_index[b]) + n)
+        want = prefix_tree_attention(
+            query[None, rows], pk, pv, torch.tensor([p]), key[None, rows], value[None, rows],
+            mask[b : b + 1, :n, :n], D**-0.5,
+        )  # fmt: skip
+        got = output[rows].view(1, n, H_Q, D)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        node_k, node_v = batch.captured_kv["layers.0.attn"]
+        assert torch.equal(node_k[b, :n], key[rows]) and torch.equal(node_v[b, :n], value[rows])
+    assert not output.isnan().any()  # every row is a tree row, and every one was written
