@@ -5,7 +5,8 @@
         --write-config profiles/eagle2-auto-smollm2-cpu.yaml
 
 Serves MT-bench first turns with the config (``total_tokens: auto``) at each
-concurrency level, long enough for the sizer to measure, in every batch bucket, each
+concurrency level and temperature (greedy and sampled requests accept drafts at
+different rates, and the sizer keeps both), long enough for the sizer to measure, in every batch bucket, each
 arm that could win (``sizing.py``), then writes its tables (``TreeSizer.export_profile``).
 With ``sizing_profile: FILE`` in the config, an engine starts from these costs and
 acceptance rates instead of trying every arm in each new bucket while it serves; it
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_TEMPERATURES = (0.0, 1.0)
 # prompt sets to calibrate on; ``mtbench-turn2`` keeps the first turns (what
 # benchmarks/bench.py times) out of the calibration
 PROMPT_SETS = ("mtbench", "mtbench-turn2", "humaneval")
@@ -81,11 +83,14 @@ def calibrate(
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY,
     max_tokens: int = 64,
     prompts: list[str] | str | None = None,
+    temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES,
     **engine_kwargs,
 ) -> dict:
-    """Run ``config`` at each concurrency level and write the sizer's profile to ``out``.
-    ``prompts``: raw prompts, or the name of a set in ``PROMPT_SETS`` (default: MT-bench
-    first turns in the chat template)."""
+    """Run ``config`` at each concurrency level and temperature and write the sizer's
+    profile to ``out``. ``prompts``: raw prompts, or the name of a set in
+    ``PROMPT_SETS`` (default: MT-bench first turns in the chat template). A temperature
+    above 0 measures the sampled requests' acceptance (the profile's
+    ``acceptance_sampled``)."""
     from vllm import SamplingParams
 
     from eagle_vllm import LLM
@@ -99,6 +104,8 @@ def calibrate(
         )
     if not concurrency or min(concurrency) < 1:
         raise ValueError(f"concurrency levels must be 1 or more, got {list(concurrency)}")
+    if not temperatures or min(temperatures) < 0:
+        raise ValueError(f"temperatures must be 0 or more, got {list(temperatures)}")
     engine_kwargs.setdefault("max_num_seqs", max(concurrency))
     llm = LLM(target, speculative_config=config, **engine_kwargs)
     try:
@@ -106,11 +113,15 @@ def calibrate(
             prompts = prompt_set("mtbench", llm.get_tokenizer())
         elif isinstance(prompts, str):
             prompts = prompt_set(prompts, llm.get_tokenizer())
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        for level, c in enumerate(concurrency):
-            batch = [prompts[(7 * level + i) % len(prompts)] for i in range(c)]
-            llm.generate(batch, params, use_tqdm=False)
+        for round_, temperature in enumerate(temperatures):
+            params = SamplingParams(
+                temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=round_
+            )
+            for level, c in enumerate(concurrency):
+                first = 7 * level + 3 * round_
+                batch = [prompts[(first + i) % len(prompts)] for i in range(c)]
+                llm.generate(batch, params, use_tqdm=False)
         profile = llm.collective_rpc("eagle_vllm_sizing_profile")[0]
     finally:
         try:
@@ -121,6 +132,7 @@ def calibrate(
         "target": str(target),
         "config": str(config),
         "concurrency": list(concurrency),
+        "temperatures": list(temperatures),
         "max_tokens": max_tokens,
         "engine_kwargs": {k: v for k, v in engine_kwargs.items() if _jsonable(v)},
         "seconds": round(time.perf_counter() - start, 1),
@@ -157,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         help="requests in flight, one level after another (%(default)s)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (%(default)s)")
+    p.add_argument(
+        "--temperatures",
+        default=",".join(map(str, DEFAULT_TEMPERATURES)),
+        help="each concurrency level at each (%(default)s): above 0 measures the sampled "
+        "requests' acceptance",
+    )
     p.add_argument("--prompts", choices=PROMPT_SETS, default="mtbench",
                    help="prompt set to serve (%(default)s)")  # fmt: skip
     p.add_argument("--write-config", default=None,
@@ -170,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
     try:
+        temperatures = tuple(float(x) for x in args.temperatures.split(","))
+    except ValueError:
+        p.error(f"--temperatures: expected comma-separated numbers, got {args.temperatures!r}")
+    try:
         profile = calibrate(
             args.target,
             args.config,
@@ -177,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=levels,
             max_tokens=args.max_tokens,
             prompts=args.prompts,
+            temperatures=temperatures,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,

@@ -33,6 +33,9 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     buckets = {int(key.split(",")[0]) for key in profile["verify_seconds"]}
     assert {1, 4} <= buckets, profile["verify_seconds"]  # (and the tail of a batch)
     assert profile["acceptance"]["trials"][2][1] > 0  # drafted trees were verified
+    # T=1 requests (the default temperatures are 0 and 1) kept their own acceptance: the
+    # runner told the sizer which requests sample
+    assert profile["acceptance_sampled"]["trials"][2][1] > 0
     assert profile["calibration"]["concurrency"] == [1, 4]
 
     # the config `--write-config` writes (absolute paths: it lives in another folder)
