@@ -9,7 +9,9 @@ first turns are decoded to ``--max-tokens``. Prints, per arm and repetition, out
 tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
 (``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
 the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
-K/V moves). Rounds interleave the arms, since this machine drifts. This is how
+K/V moves). Rounds interleave the arms, since this machine drifts. ``--profile
+passes,nodes`` also runs that arm once more under ``torch.profiler`` and prints the
+ops that took the most time (self CPU), with their calls. This is how
 session 9 found what a tree's first extra node costs over a chain at batch 1 (the
 CPU tree attention, ``attention/cpu_backend.py``).
 """
@@ -49,11 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
+    p.add_argument("--profile", nargs="*", default=[], help="arms to profile (torch.profiler)")
+    p.add_argument("--top", type=int, default=25, help="ops per profile")
     args = p.parse_args(argv)
     try:
         arms = [tuple(int(x) for x in a.split(",")) for a in args.arms]
+        profiled = [tuple(int(x) for x in a.split(",")) for a in args.profile]
     except ValueError:
-        p.error(f"--arms: expected passes,nodes pairs, got {args.arms}")
+        p.error(f"--arms/--profile: expected passes,nodes pairs, got {args.arms} {args.profile}")
 
     from bench import _prompts
     from cprofile_generate import in_process_engine
@@ -80,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | "
                   f"{1e3 * seconds / steps:.1f} | {split}", flush=True)  # fmt: skip
+    for arm in profiled:
+        from torch.profiler import profile
+
+        llm.collective_rpc(_pin, args=(arm,))
+        batch = [prompts[(40 + i) % 80] for i in range(c)]
+        with profile() as prof:
+            llm.generate(batch, params, use_tqdm=False)
+        steps = max(llm.collective_rpc(_timings)[0].get("execute_model", {}).get("calls", 1), 1)
+        print(f"\nprofile of {arm}: {steps} engine steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
 
 

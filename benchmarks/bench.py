@@ -139,8 +139,16 @@ def run_worker(system: str, args) -> list[dict]:
                 for batch in args.batch_sizes:
                     n = max(batch, args.num_prompts)
                     prompts = _prompts(dataset, n, tokenizer)
+                    # Sampled outputs differ between systems (each draws its own sample
+                    # of the same distribution), so their lengths do: one early EOS in a
+                    # batch halved a row's tok/s (session 9). Sampled requests decode
+                    # max_tokens each; greedy ones stop where the target stops, the
+                    # same for every system (lossless).
                     params = SamplingParams(
-                        temperature=temperature, max_tokens=args.max_tokens, seed=1000 + rep
+                        temperature=temperature,
+                        max_tokens=args.max_tokens,
+                        seed=1000 + rep,
+                        ignore_eos=temperature > 0,
                     )
                     before = _spec_counters(llm)
                     if ours:
