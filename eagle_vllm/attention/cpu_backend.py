@@ -1,10 +1,10 @@
 """Tree attention inside vLLM's CPU attention backend (vLLM 0.32, ``CPU_ATTN``).
 
 The CPU kernel (``vllm/v1/attention/backends/cpu_attn.py``) supports causal
-masks only. This backend subclasses it: every row is computed by the stock
-kernel first, then the rows of tree-shaped requests are recomputed in torch
-with their tree mask (prefix from the paged cache + the node's ancestors),
-and the tree rows' K/V are captured for KV compaction. The rows, the additive
+masks only. This backend subclasses it: the rows of tree-shaped requests are
+computed in torch with their tree mask (prefix from the paged cache + the
+node's ancestors), the other rows by the stock kernel (skipped when every row
+is a tree row), and the tree rows' K/V are captured for KV compaction. The rows, the additive
 mask and the block ids are built once per step (``TreeBatch.attention_plan``);
 ``attention/reference.py`` is the same computation in its plainest form. It is installed by the
 plugin's worker with ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)``,
