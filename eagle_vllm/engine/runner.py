@@ -205,9 +205,10 @@ class EagleRunnerMixin:
         last = self.drafter.last_drafts
         drafted = {} if last is None else {r: i for i, r in enumerate(last.req_ids)}
         rows, src = [], []
-        sampled = torch.zeros(batch, dtype=torch.bool)
-        for row, req_id in enumerate(self.input_batch.req_ids[:batch]):
-            sampled[row] = req_id in self.input_batch.random_reqs
+        req_ids = self.input_batch.req_ids[:batch]
+        random_reqs = self.input_batch.random_reqs  # vLLM 0.32: temperature > 0
+        sampled = torch.tensor([r in random_reqs for r in req_ids], dtype=torch.bool)
+        for row, req_id in enumerate(req_ids):
             i = drafted.get(req_id)
             if i is None or (
                 self._uses_trees
