@@ -89,8 +89,9 @@ def calibrate(
     """Run ``config`` at each concurrency level and temperature and write the sizer's
     profile to ``out``. ``prompts``: raw prompts, or the name of a set in
     ``PROMPT_SETS`` (default: MT-bench first turns in the chat template). A temperature
-    above 0 measures the sampled requests' acceptance (the profile's
-    ``acceptance_sampled``)."""
+    above 0 measures the sampled requests' acceptance and the costs of steps with a
+    sampled request (the profile's ``acceptance_sampled``, ``verify_seconds_sampled``
+    and ``draft_seconds_sampled``)."""
     from vllm import SamplingParams
 
     from eagle_vllm import LLM

@@ -32,7 +32,12 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   is re-measured, its old samples replaced by the fresh one, or the other side is
   probed: the smallest tree while speculation is off (keeps acceptance measured), no
   drafts while a tree wins (keeps its cost current), the sample joining the probe's
-  two latest; so the table follows the machine and the workload.
+  two latest; so the table follows the machine and the workload. Explorations have a
+  budget: each step earns 5% of the best arm's cost, and an arm is explored only if
+  its extra cost over the best arm (measured, or its lower bound) is covered.
+* Costs are kept per mode of the batch: no request samples, or some do (verification
+  at T > 0 computes probabilities for every node). A cost not yet measured in a mode
+  is the other mode's, scaled by how the two compare on the costs measured in both.
 
 ``(0, 1)`` is always a candidate: no drafts this step. A tree must predict
 ``speculation_margin`` (5%) more throughput than no drafts to start drafting, and
@@ -63,7 +68,16 @@ GREEDY, SAMPLED = "greedy", "sampled"
 # A class seen for the first time starts from the other class's rates, weighted as this
 # many verified drafts of its best node: its own first few steps outvote them.
 SEED_TRIALS = 8.0
+# Costs are kept per mode of the batch: GREEDY when no request samples, SAMPLED when any
+# does. Verification at T > 0 computes probabilities over the vocabulary for every
+# node (SmolLM2 on CPU: the rejection sampler was 12-40% of a drafting step at T=1
+# against 2-5% at T=0), so a tree's cost measured on greedy batches undersells it on
+# sampled ones, and the reverse.
+MODES = (GREEDY, SAMPLED)
 PROFILE_VERSION = 1  # eagle-vllm calibrate's output (TreeSizer.export_profile)
+# its cost tables: greedy batches' (required) and sampled batches' (optional)
+PROFILE_COST_KEYS = ("verify_seconds", "draft_seconds", "verify_seconds_sampled",
+                     "draft_seconds_sampled")  # fmt: skip
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -215,6 +229,7 @@ class TreeSizer:
         explore_every: int = 32,
         window: int = 9,
         speculation_margin: float = 0.05,
+        explore_budget: float = 0.05,
     ):
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         # A tree must predict this much more throughput than no drafts to start
@@ -235,18 +250,34 @@ class TreeSizer:
         self._last_best: tuple[int, int] | None = None
         self._explorations = 0
         self._repeat: tuple[int, int] | None = None  # an arm to run once more (a probe)
+        # What explorations may cost beyond the best arm, as a share of the time: each
+        # step earns this share of the best arm's cost, an exploration spends its arm's
+        # extra cost. Without it an arm whose bound said "could still win" was
+        # re-measured at every other exploration whatever it cost (SmolLM2 on CPU, 16
+        # requests at T=1: a 15-node tree at 896 ms a step against 65 ms for no drafts).
+        self.explore_budget = explore_budget
+        self._explore_credit = 0.0
         self.arms = candidate_sizes(depth, topk, max_nodes)
         self.acceptance_of = {c: AcceptanceStats(depth, max_nodes) for c in (GREEDY, SAMPLED)}
         self._sampled_share = 0.0  # of the batch chose() was last asked about
+        self._mode = GREEDY  # of the batch chose() was last asked about
         self.explore_every = explore_every
         self.window = window
-        self.verify_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, nodes) -> seconds
-        self.draft_cost: dict[tuple[int, int], _Samples] = {}  # (bucket, passes) -> seconds
+        # Per mode (GREEDY: no request samples; SAMPLED: some do) and kind ("verify":
+        # (bucket, nodes) -> seconds; "draft": (bucket, passes) -> seconds).
+        self._bucket_costs: dict[str, dict[str, dict[tuple[int, int], _Samples]]] = {
+            mode: {"verify": {}, "draft": {}} for mode in MODES
+        }
         # The same samples per exact batch size, preferred where measured: within a
         # bucket a step's cost still varies with the batch (SmolLM2 on CPU, one draft
         # per request: 59 ms at 3 requests, 75 ms at 4), and the steps of a load's tail
         # (requests finishing) left the bucket's window describing a smaller batch.
-        self._exact: dict[str, dict[tuple[int, int], _Samples]] = {"verify": {}, "draft": {}}
+        self._exact: dict[str, dict[str, dict[tuple[int, int], _Samples]]] = {
+            mode: {"verify": {}, "draft": {}} for mode in MODES
+        }
+        # A cost not yet measured in the batch's mode is the other mode's, scaled by how
+        # the two modes' costs of this (kind, bucket) compare where both are measured.
+        self._mode_ratio: dict[tuple[str, str, int], _Samples] = {}
         # A calibration profile's costs, and how this engine's live samples compare with
         # them per (kind, bucket): the machine drifts as a whole (SmolLM2 on CPU, a day
         # after calibrating: 42 ms for a drafts-off step at 4 requests against the
@@ -254,29 +285,52 @@ class TreeSizer:
         # measured are scaled by that ratio; unscaled, the arm in use was compared with
         # a stale competitor until an exploration re-measured it (50 steps drafting at
         # 0.82x vanilla).
-        self._profile_cost: dict[tuple[str, int, int], float] = {}
+        self._profile_cost: dict[tuple[str, str, int, int], float] = {}  # (mode, kind, ...)
         self._drift: dict[tuple[str, int], _Samples] = {}
         self.steps = 0
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
-        # cost windows an exploration renews: (kind, bucket, size) -> old samples kept
-        self._renew: dict[tuple[str, int, int], int] = {}
+        # cost windows an exploration renews: (mode, kind, bucket, size) -> old samples kept
+        self._renew: dict[tuple[str, str, int, int], int] = {}
         self.pinned: tuple[int, int] | None = None  # set by the runner for benchmarks
 
+    @property
+    def verify_cost(self) -> dict[tuple[int, int], _Samples]:
+        """Greedy batches' verify costs per (bucket, nodes)."""
+        return self._bucket_costs[GREEDY]["verify"]
+
+    @property
+    def draft_cost(self) -> dict[tuple[int, int], _Samples]:
+        """Greedy batches' draft costs per (bucket, passes)."""
+        return self._bucket_costs[GREEDY]["draft"]
+
     # -- measurements ------------------------------------------------------
-    def observe_verify(self, batch_size: int, nodes: int, seconds: float) -> None:
-        self._observe(self.verify_cost, "verify", batch_size, nodes, seconds)
+    def observe_verify(
+        self, batch_size: int, nodes: int, seconds: float, sampled: bool = False
+    ) -> None:
+        """A step's cost beyond drafting; ``sampled``: some request in it sampled."""
+        self._observe("verify", batch_size, nodes, seconds, SAMPLED if sampled else GREEDY)
 
-    def observe_draft(self, batch_size: int, passes: int, seconds: float) -> None:
-        self._observe(self.draft_cost, "draft", batch_size, passes, seconds)
+    def observe_draft(
+        self, batch_size: int, passes: int, seconds: float, sampled: bool = False
+    ) -> None:
+        """A step's drafting; ``sampled``: some request in it sampled."""
+        self._observe("draft", batch_size, passes, seconds, SAMPLED if sampled else GREEDY)
 
-    def _observe(self, table: dict, kind: str, batch_size: int, size: int, seconds: float):
+    def _observe(self, kind: str, batch_size: int, size: int, seconds: float, mode: str):
         bucket = batch_bucket(batch_size)
-        keep = self._renew.pop((kind, bucket, size), None)
-        profiled = self._profile_cost.get((kind, bucket, size))
+        keep = self._renew.pop((mode, kind, bucket, size), None)
+        profiled = self._profile_cost.get((mode, kind, bucket, size))
         if profiled is not None:
             drift = self._drift.setdefault((kind, bucket), _Samples(self.window))
             drift.add(seconds / profiled, self.steps)
-        for windows, key in ((table, (bucket, size)), (self._exact[kind], (batch_size, size))):
+        other = self._bucket_costs[_other(mode)][kind].get((bucket, size))
+        if other is not None:
+            ratio = self._mode_ratio.setdefault((mode, kind, bucket), _Samples(self.window))
+            ratio.add(seconds / max(self._scaled(other, kind, bucket), 1e-12), self.steps)
+        for windows, key in (
+            (self._bucket_costs[mode][kind], (bucket, size)),
+            (self._exact[mode][kind], (batch_size, size)),
+        ):
             samples = windows.setdefault(key, _Samples(self.window))
             if keep is not None:
                 samples.keep_last(keep)
@@ -323,21 +377,31 @@ class TreeSizer:
         return (1.0 - share) * greedy + share * sampled
 
     # -- the decision --------------------------------------------------------
+    def _scaled(self, samples: _Samples, kind: str, bucket: int) -> float:
+        """A window's value; one holding only the profile's seed is scaled as the machine
+        drifted since calibrating."""
+        value = samples.value
+        if samples.last_step < 0 and (drift := self._drift.get((kind, bucket))):
+            value *= drift.value
+        return value
+
     def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
-        """Seconds per step: the exact batch size's samples where measured, else its
-        bucket's (batch sizes not seen yet, and a calibration profile's buckets)."""
+        """Seconds per step in the current batch's mode: the exact batch size's samples
+        where measured, else its bucket's (batch sizes not seen yet, and a calibration
+        profile's buckets); else the other mode's, scaled by the modes' measured ratio."""
         bucket = batch_bucket(batch_size)
         seconds = 0.0
-        for kind, table, size in (
-            ("verify", self.verify_cost, arm[1]),
-            ("draft", self.draft_cost, arm[0]),
-        ):
-            samples = self._exact[kind].get((batch_size, size)) or table.get((bucket, size))
-            if samples is None:
+        for kind, size in (("verify", arm[1]), ("draft", arm[0])):
+            for mode in (self._mode, _other(self._mode)):
+                samples = self._exact[mode][kind].get((batch_size, size))
+                samples = samples or self._bucket_costs[mode][kind].get((bucket, size))
+                if samples is not None:
+                    break
+            else:
                 return None
-            value = samples.value
-            if samples.last_step < 0 and (drift := self._drift.get((kind, bucket))):
-                value *= drift.value  # only the profile's seed: scaled as the machine drifted
+            value = self._scaled(samples, kind, bucket)
+            if mode != self._mode and (ratio := self._mode_ratio.get((self._mode, kind, bucket))):
+                value *= ratio.value
             seconds += value
         return seconds
 
@@ -353,6 +417,7 @@ class TreeSizer:
         ``num_sampled`` sample (temperature > 0) and the rest are greedy."""
         self.steps += 1
         self._sampled_share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
+        self._mode = SAMPLED if self._sampled_share > 0 else GREEDY
         if self._sampled_share > 0:
             self._seed(SAMPLED)
         if self._sampled_share < 1:
@@ -360,41 +425,15 @@ class TreeSizer:
         bucket = batch_bucket(batch_size)
         costs = self._costs(batch_size)  # once per step: this runs every step
         drafting_now = self._last_best not in (None, OFF)
+        base = costs.get(self._last_best) or costs.get(OFF)  # what a step costs now
+        if base is not None:  # every step earns a share of its time for explorations
+            cap = self.explore_budget * self.max_explore_every * base
+            self._explore_credit = min(self._explore_credit + self.explore_budget * base, cap)
         arm, self._repeat = self._repeat, None
         if arm is None:
-            arm = self._unmeasured(costs)
+            arm = self._unmeasured(costs, base)
         if arm is None and self.steps - self._last_explore >= self._explore_interval:
-            if self._last_best == OFF:  # no drafts kept winning since the last one
-                self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
-            else:
-                self._explore_interval = self.explore_every
-            self._last_explore = self.steps
-            # Alternate: the stalest arm that could still win, and a probe of the other
-            # side: while no drafts wins, the smallest tree (keeps acceptance measured);
-            # while a tree wins, no drafts (keeps its cost current: a stale figure for it
-            # is what the band would otherwise hold on to).
-            self._explorations += 1
-            probe = self._explorations % 2 == 0
-            probe_arm = OFF if drafting_now else self.arms[min(1, len(self.arms) - 1)]
-            arm = None
-            if not probe:
-                # the arm in use is measured every step, the probe's at every other
-                # exploration: the stalest of the others, if any could still win
-                arm = self._stalest(bucket, costs, exclude=(probe_arm, self._last_best))
-            if arm is None:
-                # a probe's fresh sample joins its two latest (a median of three: one
-                # sample is noise on this machine, nine follow a change too slowly)
-                arm, keep = probe_arm, 2
-                if arm == OFF:
-                    # twice: the runner measures no drafts only in a drafts-off step that
-                    # follows another (the step where drafting resumes costs more)
-                    self._repeat = OFF
-            else:
-                # the stalest arm's window may describe another phase of the workload (a
-                # warm-up, a burst of prefills): the fresh sample replaces it
-                keep = 0
-            self._renew[("verify", bucket, arm[1])] = keep
-            self._renew[("draft", bucket, arm[0])] = keep
+            arm = self._explore(bucket, costs, base, drafting_now)
         if arm is None:
 
             def score(a):
@@ -408,16 +447,52 @@ class TreeSizer:
         del self.history[:-4096]
         return arm
 
+    def _explore(self, bucket: int, costs: dict, base: float | None, drafting_now: bool):
+        """The arm of an exploration, or None (none due, or none affordable yet)."""
+        # Alternate: the stalest arm that could still win, and a probe of the other
+        # side: while no drafts wins, the smallest tree (keeps acceptance measured);
+        # while a tree wins, no drafts (keeps its cost current: a stale figure for it
+        # is what the band would otherwise hold on to).
+        probe = (self._explorations + 1) % 2 == 0
+        probe_arm = OFF if drafting_now else self.arms[min(1, len(self.arms) - 1)]
+        arm = None
+        if not probe:
+            # the arm in use is measured every step, the probe's at every other
+            # exploration: the stalest of the others, if any could still win
+            arm = self._stalest(bucket, costs, base, exclude=(probe_arm, self._last_best))
+        if arm is not None:
+            # the stalest arm's window may describe another phase of the workload (a
+            # warm-up, a burst of prefills): the fresh sample replaces it
+            keep = 0
+        elif self._affordable(costs, probe_arm, base):
+            # a probe's fresh sample joins its two latest (a median of three: one
+            # sample is noise on this machine, nine follow a change too slowly)
+            arm, keep = probe_arm, 2
+            if arm == OFF:
+                # twice: the runner measures no drafts only in a drafts-off step that
+                # follows another (the step where drafting resumes costs more)
+                self._repeat = OFF
+        else:
+            return None  # the credit is short: try again next step
+        if self._last_best == OFF:  # no drafts kept winning since the last one
+            self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
+        else:
+            self._explore_interval = self.explore_every
+        self._last_explore = self.steps
+        self._explorations += 1
+        self._spend(costs, arm, base)
+        self._renew[(self._mode, "verify", bucket, arm[1])] = keep
+        self._renew[(self._mode, "draft", bucket, arm[0])] = keep
+        return arm
+
     def _costs(self, batch_size: int) -> dict[tuple[int, int], float]:
         """Seconds per step of every arm measured at this batch size, in arm order."""
         return {a: c for a in self.arms if (c := self._cost(batch_size, a)) is not None}
 
-    def _could_win(self, costs: dict, arm: tuple[int, int], best: float, own: bool = True) -> bool:
-        """Optimistic bound: expected tokens over the largest cost measured for an arm
-        with at most as many nodes and passes (its own cost can only be higher).
-        ``own=False`` leaves the arm's own measurement out, for re-measuring it: a stale
-        sample must not be what keeps an arm from being measured again."""
-        floor = max(
+    def _floor(self, costs: dict, arm: tuple[int, int], own: bool = True) -> float:
+        """The largest cost measured for an arm with at most as many nodes and passes
+        (a lower bound of the arm's own: costs grow with nodes and passes)."""
+        return max(
             (
                 c
                 for other, c in costs.items()
@@ -425,61 +500,92 @@ class TreeSizer:
             ),
             default=0.0,
         )
+
+    def _could_win(self, costs: dict, arm: tuple[int, int], best: float, own: bool = True) -> bool:
+        """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
+        arm's own measurement out, for re-measuring it: a stale sample must not be what
+        keeps an arm from being measured again."""
+        floor = self._floor(costs, arm, own)
         return floor <= 0 or self.expected_tokens(arm) / floor > best
+
+    def _affordable(self, costs: dict, arm: tuple[int, int], base: float | None) -> bool:
+        """Whether exploring ``arm`` (its cost if measured, else its floor) stays within
+        the exploration credit."""
+        if base is None:
+            return True  # nothing measured yet: every arm's first sample is exploration
+        return self._floor(costs, arm) - base <= self._explore_credit
+
+    def _spend(self, costs: dict, arm: tuple[int, int], base: float | None) -> None:
+        if base is not None:
+            self._explore_credit -= max(self._floor(costs, arm) - base, 0.0)
 
     def _best_measured(self, costs: dict) -> float:
         rates = [self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()]
         return max(rates, default=0.0)
 
-    def _unmeasured(self, costs: dict) -> tuple[int, int] | None:
+    def _unmeasured(self, costs: dict, base: float | None) -> tuple[int, int] | None:
         if len(costs) == len(self.arms):
             return None
         best = self._best_measured(costs)
         for arm in self.arms:  # smallest first: off, then growing trees
-            if arm not in costs and self._could_win(costs, arm, best):
+            if (
+                arm not in costs
+                and self._could_win(costs, arm, best)
+                and self._affordable(costs, arm, base)
+            ):
+                self._spend(costs, arm, base)
                 return arm
         return None
 
-    def _stalest(self, bucket: int, costs: dict, exclude=()) -> tuple[int, int] | None:
+    def _stalest(
+        self, bucket: int, costs: dict, base: float | None, exclude=()
+    ) -> tuple[int, int] | None:
         best = self._best_measured(costs)
         candidates = [
-            a for a in costs if a not in exclude and self._could_win(costs, a, best, own=False)
+            a
+            for a in costs
+            if a not in exclude
+            and self._could_win(costs, a, best, own=False)
+            and self._affordable(costs, a, base)
         ]
         if not candidates:
             return None
+        tables = self._bucket_costs[self._mode]
 
-        def age(arm):
-            v = self.verify_cost[(bucket, arm[1])].last_step
-            d = self.draft_cost[(bucket, arm[0])].last_step
-            return min(v, d)
+        def age(arm):  # never measured in this mode: stalest of all
+            v = tables["verify"].get((bucket, arm[1]))
+            d = tables["draft"].get((bucket, arm[0]))
+            return min(v.last_step if v else -2, d.last_step if d else -2)
 
         return min(candidates, key=age)
 
     # -- calibration profiles (eagle-vllm calibrate, config key sizing_profile) ----
     def export_profile(self) -> dict:
-        """The measured costs (per batch bucket) and acceptance, JSON-ready, to seed
-        another engine of the same config on the same hardware."""
+        """The measured costs (per batch bucket and mode) and acceptance, JSON-ready, to
+        seed another engine of the same config on the same hardware."""
 
         def costs(table: dict) -> dict[str, float]:
             return {f"{b},{n}": s.value for (b, n), s in sorted(table.items()) if s.samples}
 
-        return {
+        profile = {
             "eagle_vllm_sizing_profile": PROFILE_VERSION,
             "depth": self.depth,
             "topk": self.topk,
             "max_nodes": self.max_nodes,
-            "verify_seconds": costs(self.verify_cost),
-            "draft_seconds": costs(self.draft_cost),
-            # greedy requests' (calibration runs at T=0); sampled requests' if observed
-            **{
-                key: {"hits": stats.hits.tolist(), "trials": stats.trials.tolist()}
-                for key, stats in (
-                    ("acceptance", self.acceptance_of[GREEDY]),
-                    ("acceptance_sampled", self.acceptance_of[SAMPLED]),
-                )
-                if key == "acceptance" or stats.observed
-            },
         }
+        for mode, suffix in ((GREEDY, ""), (SAMPLED, "_sampled")):
+            for kind in ("verify", "draft"):
+                table = costs(self._bucket_costs[mode][kind])
+                if table or mode == GREEDY:
+                    profile[f"{kind}_seconds{suffix}"] = table
+        # greedy requests' acceptance; sampled requests' if observed
+        for key, stats in (
+            ("acceptance", self.acceptance_of[GREEDY]),
+            ("acceptance_sampled", self.acceptance_of[SAMPLED]),
+        ):
+            if key == "acceptance" or stats.observed:
+                profile[key] = {"hits": stats.hits.tolist(), "trials": stats.trials.tolist()}
+        return profile
 
     def load_profile(self, profile: dict) -> None:
         """Seed the tables from ``export_profile``'s output: one sample per cost, older
@@ -489,14 +595,24 @@ class TreeSizer:
         measured is scaled by how this engine's samples of the bucket's other costs
         compare with the profile's (the machine's drift since calibrating)."""
         check_profile(profile, self.depth, self.topk, self.max_nodes)
-        for name, table in (
-            ("verify_seconds", self.verify_cost),
-            ("draft_seconds", self.draft_cost),
-        ):
-            for key, seconds in profile[name].items():
+        for name in PROFILE_COST_KEYS:
+            kind = name.split("_")[0]
+            mode = SAMPLED if name.endswith("_sampled") else GREEDY
+            table = self._bucket_costs[mode][kind]
+            for key, seconds in profile.get(name, {}).items():
                 bucket, size = (int(x) for x in key.split(","))
                 table.setdefault((bucket, size), _Samples(self.window)).add(float(seconds), -1)
-                self._profile_cost[(name.split("_")[0], bucket, size)] = float(seconds)
+                self._profile_cost[(mode, kind, bucket, size)] = float(seconds)
+        for mode in MODES:  # how the profile's two modes compare, per (kind, bucket)
+            other = _other(mode)
+            for kind in ("verify", "draft"):
+                for (bucket, size), samples in self._bucket_costs[mode][kind].items():
+                    theirs = self._bucket_costs[other][kind].get((bucket, size))
+                    if theirs is not None:
+                        ratio = self._mode_ratio.setdefault(
+                            (mode, kind, bucket), _Samples(self.window)
+                        )
+                        ratio.add(samples.value / theirs.value, -1)
         for key, cls in (("acceptance", GREEDY), ("acceptance_sampled", SAMPLED)):
             acceptance = profile.get(key)
             if acceptance:
@@ -507,9 +623,11 @@ class TreeSizer:
 
     def table(self) -> dict:
         """The current measurements and predictions, for logs and benchmarks (per bucket,
-        at the batch size that fills it)."""
-        buckets = sorted({b for b, _ in self.verify_cost} | {b for b, _ in self.draft_cost})
-        out = {"arms": [list(a) for a in self.arms], "buckets": {}}
+        at the batch size that fills it, in the mode of the batch last chosen for)."""
+        buckets = sorted(
+            {b for tables in self._bucket_costs.values() for t in tables.values() for b, _ in t}
+        )
+        out = {"arms": [list(a) for a in self.arms], "mode": self._mode, "buckets": {}}
         for b in buckets:
             out["buckets"][b] = {
                 f"{d},{m}": {
@@ -519,6 +637,10 @@ class TreeSizer:
                 for d, m in self.arms
             }
         return out
+
+
+def _other(mode: str) -> str:
+    return SAMPLED if mode == GREEDY else GREEDY
 
 
 def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> None:
@@ -541,7 +663,9 @@ def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> Non
     shape = [depth + 1, max_nodes]
     try:
         for name in ("verify_seconds", "draft_seconds"):
-            for key, seconds in profile[name].items():
+            profile[name]  # required; the sampled mode's tables are optional
+        for name in PROFILE_COST_KEYS:
+            for key, seconds in profile.get(name, {}).items():
                 bucket, size = (int(x) for x in key.split(","))
                 if bucket < 1 or size < 0 or not float(seconds) > 0:
                     raise ValueError(f"{name}[{key!r}] = {seconds!r}")

@@ -138,6 +138,9 @@ class EagleRunnerMixin:
             step["runner_seconds"] = step["execute_model"] + clock.seconds
             step["batch"] = self.input_batch.num_reqs
             step["passes"] = self.drafter.last_size[0] if self.sizer is not None else 0
+            # the batch's sampling mode (vLLM 0.32 InputBatch.random_reqs: temperature > 0):
+            # verification costs more when any request samples
+            step["sampled"] = bool(self.input_batch.random_reqs)
         return out
 
     # -- load-aware sizing (total_tokens: auto) --------------------------------
@@ -181,7 +184,8 @@ class EagleRunnerMixin:
             # drafting while requests arrive (eagle-vllm calibrate on SmolLM2, batch 4:
             # 12.3 ms of "drafting" for no drafts, 6.5 ms for one draft pass).
             return
-        sizer.observe_draft(step["batch"], step["passes"], step["draft"])
+        sampled = step.get("sampled", False)
+        sizer.observe_draft(step["batch"], step["passes"], step["draft"], sampled)
         if step["verified_nodes"] == 1 and step["passes"] > 0:
             # Drafting resumes after a drafts-off step: the rest of this step is not what
             # a drafts-off step costs (SmolLM2 on CPU, 4 requests: 50-55 ms against 46-47
@@ -192,7 +196,7 @@ class EagleRunnerMixin:
             return
         # deferred draft KV written in this step belongs to earlier steps, not this tree
         rest = period - step["draft"] - step.get("catch_up", 0.0)
-        sizer.observe_verify(step["batch"], step["verified_nodes"], rest)
+        sizer.observe_verify(step["batch"], step["verified_nodes"], rest, sampled)
 
     def _observe_acceptance(self, metadata) -> None:
         """Which node of each verified tree was accepted, for the sizer's acceptance rates."""

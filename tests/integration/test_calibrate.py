@@ -36,6 +36,9 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     # T=1 requests (the default temperatures are 0 and 1) kept their own acceptance: the
     # runner told the sizer which requests sample
     assert profile["acceptance_sampled"]["trials"][2][1] > 0
+    # and the steps with a sampled request kept their own costs (the runner tells the
+    # sizer each step's mode)
+    assert {1, 4} <= {int(key.split(",")[0]) for key in profile["verify_seconds_sampled"]}
     assert profile["calibration"]["concurrency"] == [1, 4]
 
     # the config `--write-config` writes (absolute paths: it lives in another folder)
