@@ -2,9 +2,11 @@
 
 The CPU kernel (``vllm/v1/attention/backends/cpu_attn.py``) supports causal
 masks only. This backend subclasses it: the rows of tree-shaped requests are
-computed in torch with their tree mask (prefix from the paged cache + the
-node's ancestors), the other rows by the stock kernel (skipped when every row
-is a tree row), and the tree rows' K/V are captured for KV compaction. The rows, the additive
+computed with their tree mask (prefix from the paged cache + the node's
+ancestors) by the fused C++ op (``cpu_tree_op.py``, the prefix read in place) or,
+where it cannot be built, in torch (the prefix gathered, then SDPA); the other rows
+by the stock kernel (skipped when every row is a tree row), and the tree rows' K/V
+are captured for KV compaction. The rows, the additive
 mask and the block ids are built once per step (``TreeBatch.attention_plan``);
 ``attention/reference.py`` is the same computation in its plainest form. It is installed by the
 plugin's worker with ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)``,
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from eagle_vllm.attention import cpu_tree_op
 from eagle_vllm.attention.paged_kv import check_cpu_isa, cpu_kv_views
 from eagle_vllm.attention.tree_batch import TreeBatch
 
@@ -59,14 +62,30 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             out = super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
             )
-        # index_select, and one copy into place per tensor (the prefix spans whole blocks):
-        # on this CPU the tree path's cost was mostly copies and per-op overhead
-        # (advanced indexing, permute-reshape, cat), not SDPA's arithmetic
         r, n = batch.parents.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         node_k = key.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
         node_v = value.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
         batch.captured_kv[layer.layer_name] = (node_k, node_v)
+        fused = cpu_tree_op.load()
+        if fused is not None:  # one C++ call: the prefix is read in place from the cache
+            fused(
+                query.view(num_tokens, hq, d),
+                key.view(num_tokens, hkv, d),
+                value.view(num_tokens, hkv, d),
+                kv_cache,
+                plan.rows.view(r, n),
+                batch.num_nodes,
+                plan.blocks.view(r, plan.num_blocks),
+                batch.root_pos,
+                plan.allowed,
+                self.scale,
+                out.view(num_tokens, hq * d),
+            )
+            return out
+        # The torch path. index_select, and one copy into place per tensor (the prefix
+        # spans whole blocks): on this CPU its cost was mostly copies and per-op overhead
+        # (advanced indexing, permute-reshape, cat), not SDPA's arithmetic
         k_t, v_blocks = cpu_kv_views(kv_cache)  # [blk, H, D, off], [blk, H, off, D]
         nb, bs = plan.num_blocks, kv_cache.shape[2]
         span = nb * bs

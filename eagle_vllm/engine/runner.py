@@ -92,6 +92,12 @@ class EagleRunnerMixin:
                 self.sizer.load_profile(cfg.sizing_profile)
             # on a GPU a phase's wall time needs a sync, or it only counts kernel launches
             self.timings.synchronize = torch.device(self.device).type == "cuda"
+        if self._uses_trees and torch.device(self.device).type == "cpu":
+            # build (or load from torch's extension cache) the fused tree-attention op now,
+            # not in the first tree step (a first build compiles for ~40 s)
+            from eagle_vllm.attention import cpu_tree_op
+
+            cpu_tree_op.load()
         with device_context():
             self.drafter = EagleTreeProposer(self.vllm_config, self.device, self, self.eagle_config)
         self.rejection_sampler = ExactRejectionSampler(

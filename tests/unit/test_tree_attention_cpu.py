@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-H_Q, H_KV, D, BLOCK = 9, 3, 64, 16
+H_Q, H_KV, D = 9, 3, 64
 
 
 def _random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -31,8 +31,32 @@ def _depths(parents: torch.Tensor) -> torch.Tensor:
     return depths
 
 
-@pytest.mark.parametrize("num_nodes, prefixes", [([5, 5], [40, 17]), ([7, 2, 4], [3, 50, 33])])
-def test_tree_rows_match_the_reference(num_nodes: list[int], prefixes: list[int]):
+@pytest.fixture(params=["fused", "torch"])
+def tree_attention_path(request, monkeypatch):
+    """Both implementations: the fused C++ op (built on first use) and the torch path."""
+    from eagle_vllm.attention import cpu_tree_op
+
+    monkeypatch.setenv("EAGLE_VLLM_TREE_ATTENTION", request.param)
+    cpu_tree_op.load.cache_clear()
+    if request.param == "fused":
+        assert cpu_tree_op.load() is not None, "the fused op did not build (see the warning)"
+    yield request.param
+    cpu_tree_op.load.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "num_nodes, prefixes, block, dtype",
+    [
+        ([5, 5], [40, 17], 16, torch.float32),
+        ([7, 2, 4], [3, 50, 33], 16, torch.float32),
+        ([16, 1], [0, 200], 32, torch.float32),  # no prefix; a chain of one; ISA "vec"
+        ([4, 6], [70, 129], 32, torch.bfloat16),
+        ([9], [150], 32, torch.float32),  # one tree: its nodes are split between threads
+    ],
+)
+def test_tree_rows_match_the_reference(
+    num_nodes: list[int], prefixes: list[int], block: int, dtype, tree_attention_path: str
+):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -43,31 +67,30 @@ def test_tree_rows_match_the_reference(num_nodes: list[int], prefixes: list[int]
 
     gen = torch.Generator().manual_seed(sum(num_nodes) + sum(prefixes))
     r, width = len(num_nodes), max(num_nodes)
-    isa = _get_attn_isa(torch.float32, BLOCK, D)
-    max_blocks = -(-(max(prefixes) + width) // BLOCK)
-    kv_cache = torch.zeros(r * max_blocks + 1, H_KV, BLOCK, 2 * D)
+    isa = _get_attn_isa(dtype, block, D)
+    max_blocks = -(-(max(prefixes) + width) // block)
+    kv_cache = torch.zeros(r * max_blocks + 1, H_KV, block, 2 * D, dtype=dtype)
     block_table = (torch.randperm(r * max_blocks, generator=gen) + 1).view(r, -1).to(torch.int32)
-    view = kv_cache.view(kv_cache.shape[0], H_KV, BLOCK * 2, D)
+    view = kv_cache.view(kv_cache.shape[0], H_KV, block * 2, D)
     key_cache, value_cache = view.chunk(2, dim=2)
 
     def write(b: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots = block_table[b, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        slots = block_table[b, positions // block].long() * block + positions % block
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
 
     # the step's query rows: request b's nodes at flat rows root_index[b] + j
     root_index = torch.tensor([0, *torch.tensor(num_nodes).cumsum(0)[:-1].tolist()])
     total = sum(num_nodes)
-    query = torch.randn(total, H_Q, D, generator=gen)
-    key = torch.randn(total, H_KV, D, generator=gen)
-    value = torch.randn(total, H_KV, D, generator=gen)
+    query = torch.randn(total, H_Q, D, generator=gen).to(dtype)
+    key = torch.randn(total, H_KV, D, generator=gen).to(dtype)
+    value = torch.randn(total, H_KV, D, generator=gen).to(dtype)
     parents = torch.full((r, width), -1, dtype=torch.int64)
     depths = torch.zeros(r, width, dtype=torch.int64)
     for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
         pos = torch.arange(p)
-        write(
-            b, pos, torch.randn(p, H_KV, D, generator=gen), torch.randn(p, H_KV, D, generator=gen)
-        )
+        prefix_k, prefix_v = (torch.randn(p, H_KV, D, generator=gen).to(dtype) for _ in "kv")
+        write(b, pos, prefix_k, prefix_v)
         rows = slice(int(root_index[b]), int(root_index[b]) + n)
         write(b, p + torch.arange(n), key[rows], value[rows])  # tree nodes in slot order
         parents[b, :n] = _random_parents(n, gen)
@@ -86,7 +109,7 @@ def test_tree_rows_match_the_reference(num_nodes: list[int], prefixes: list[int]
     impl = TreeCPUAttentionImpl.__new__(TreeCPUAttentionImpl)
     impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = H_Q, H_KV, D, D**-0.5
     layer = SimpleNamespace(isa=isa, layer_name="layers.0.attn")
-    output = torch.full((total, H_Q * D), float("nan"))
+    output = torch.full((total, H_Q * D), float("nan"), dtype=dtype)
     with verifying_trees(batch):
         impl.forward(layer, query, key, value, kv_cache, SimpleNamespace(num_actual_tokens=total),
                      output)  # fmt: skip
@@ -95,12 +118,14 @@ def test_tree_rows_match_the_reference(num_nodes: list[int], prefixes: list[int]
     for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
         pk, pv = gather_cpu_kv(kv_cache, block_table[b : b + 1], p)
         rows = slice(int(root_index[b]), int(root_index[b]) + n)
+        f32 = (query[None, rows], pk, pv, key[None, rows], value[None, rows])
+        q, pk, pv, k, v = (x.float() for x in f32)
         want = prefix_tree_attention(
-            query[None, rows], pk, pv, torch.tensor([p]), key[None, rows], value[None, rows],
-            mask[b : b + 1, :n, :n], D**-0.5,
-        )  # fmt: skip
-        got = output[rows].view(1, n, H_Q, D)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            q, pk, pv, torch.tensor([p]), k, v, mask[b : b + 1, :n, :n], D**-0.5
+        )
+        got = output[rows].view(1, n, H_Q, D).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         node_k, node_v = batch.captured_kv["layers.0.attn"]
         assert torch.equal(node_k[b, :n], key[rows]) and torch.equal(node_v[b, :n], value[rows])
     assert not output.isnan().any()  # every row is a tree row, and every one was written
