@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench reference-head ablation-head
+.PHONY: setup test test-slow lint bench reference-head ablation-head regen-data
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,8 @@ lint:
 # Every figure of BENCHMARKS.md in one command (about an hour on 2 cores): the side-by-side
 # table and plot (vanilla, ngram, vLLM's EAGLE, ours: chain, tree, auto) on MT-bench and
 # HumanEval at batch 1/4/16 and T=0/1, then throughput against concurrency 1 -> 64.
-# fp32: this CPU has no AVX-512 BF16, and vLLM's bf16 linear falls back to slow torch GEMMs.
+# fp32: some of this project's machines had no AVX-512 BF16 (vLLM's bf16 linear then falls
+# back to slow torch GEMMs); fp32 keeps the figures comparable from session to session.
 bench:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
@@ -91,3 +92,23 @@ ablation-head:
 		--max-steps 600 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
 		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise none \
 		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(ABLATION_HEAD).log
+
+# Training data for the next reference head, made across sessions: the first user turns of
+# ShareGPT conversations 0-6000 answered by SmolLM2 itself (greedy, bf16: this CPU has
+# AVX-512 BF16 now, up to 320 tokens), 128 prompts per chunk. The answers so far are
+# committed in $(REGEN_DATA); this resumes after the last chunk there and copies the file
+# back (commit it). About 45 prompts a minute on 2 cores with nothing else running.
+REGEN_DATA := data/regen-sharegpt-0-6000
+REGEN_OUT := artifacts/regen-sharegpt-0-6000
+regen-data:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	mkdir -p $(REGEN_OUT)
+	test -f $(REGEN_OUT)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(REGEN_OUT)/
+	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REGEN_OUT) \
+		--data sharegpt --num-conversations 6000 --max-len 1024 --regenerate \
+		--regenerate-only --regen-max-tokens 320 --regen-dtype bfloat16 --seed 0 \
+		2>&1 | tee -a $(REGEN_OUT).log
+	cp $(REGEN_OUT)/conversations.partial.jsonl $(REGEN_DATA)/
