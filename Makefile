@@ -97,7 +97,7 @@ ablation-head:
 # ShareGPT conversations 0-6000 answered by SmolLM2 itself (greedy, bf16: this CPU has
 # AVX-512 BF16 now, up to 320 tokens), 128 prompts per chunk. The answers so far are
 # committed in $(REGEN_DATA); this resumes after the last chunk there and copies the file
-# back (commit it). About 45 prompts a minute on 2 cores with nothing else running.
+# back (commit it). About 45-50 prompts a minute on 2 cores with nothing else running.
 REGEN_DATA := data/regen-sharegpt-0-6000
 REGEN_OUT := artifacts/regen-sharegpt-0-6000
 regen-data:
