@@ -78,7 +78,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 batch.num_nodes,
                 plan.blocks.view(r, plan.num_blocks),
                 batch.root_pos,
-                plan.allowed,
+                batch.ancestor_mask(),  # [R, N, N] bool, built once per step
                 self.scale,
                 out.view(num_tokens, hq * d),
             )

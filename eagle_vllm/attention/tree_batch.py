@@ -21,7 +21,6 @@ class AttentionPlan:
     blocks: torch.Tensor  # [R * B] int64 block ids of each request's first B blocks
     num_blocks: int  # B: the blocks holding the longest prefix (positions before a root)
     mask: torch.Tensor  # [R, 1, N, B * block + N] additive: 0 visible, -inf hidden
-    allowed: torch.Tensor  # [R, N, N] bool: node i sees node j (the fused op's mask)
 
     def covers(self, num_tokens: int) -> bool:
         """Whether the tree rows are all of the step's ``num_tokens`` query rows (then no
@@ -112,7 +111,6 @@ class TreeBatch:
                 blocks=self.block_table[:, :num_blocks].reshape(-1).long(),
                 num_blocks=num_blocks,
                 mask=additive[:, None],
-                allowed=self.ancestor_mask().contiguous(),
             )
         return self._plans[key]
 
