@@ -463,8 +463,8 @@ class TreeSizer:
         if arm is not None:
             # the stalest arm's window may describe another phase of the workload (a
             # warm-up, a burst of prefills): the fresh sample replaces it
-            keep = 0
-        elif self._affordable(costs, probe_arm, base):
+            keep, price = 0, self._price(costs, arm, base)
+        elif (price := self._price(costs, probe_arm, base)) <= self._explore_credit:
             # a probe's fresh sample joins its two latest (a median of three: one
             # sample is noise on this machine, nine follow a change too slowly)
             arm, keep = probe_arm, 2
@@ -480,7 +480,7 @@ class TreeSizer:
             self._explore_interval = self.explore_every
         self._last_explore = self.steps
         self._explorations += 1
-        self._spend(costs, arm, base)
+        self._explore_credit -= price
         self._renew[(self._mode, "verify", bucket, arm[1])] = keep
         self._renew[(self._mode, "draft", bucket, arm[0])] = keep
         return arm
@@ -508,16 +508,11 @@ class TreeSizer:
         floor = self._floor(costs, arm, own)
         return floor <= 0 or self.expected_tokens(arm) / floor > best
 
-    def _affordable(self, costs: dict, arm: tuple[int, int], base: float | None) -> bool:
-        """Whether exploring ``arm`` (its cost if measured, else its floor) stays within
-        the exploration credit."""
-        if base is None:
-            return True  # nothing measured yet: every arm's first sample is exploration
-        return self._floor(costs, arm) - base <= self._explore_credit
-
-    def _spend(self, costs: dict, arm: tuple[int, int], base: float | None) -> None:
-        if base is not None:
-            self._explore_credit -= max(self._floor(costs, arm) - base, 0.0)
+    def _price(self, costs: dict, arm: tuple[int, int], base: float | None) -> float:
+        """Seconds an exploration of ``arm`` costs over the best arm: its floor (its cost
+        if measured) less ``base``. Nothing before anything is measured: every arm's
+        first sample is exploration."""
+        return 0.0 if base is None else max(self._floor(costs, arm) - base, 0.0)
 
     def _best_measured(self, costs: dict) -> float:
         rates = [self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()]
@@ -528,12 +523,10 @@ class TreeSizer:
             return None
         best = self._best_measured(costs)
         for arm in self.arms:  # smallest first: off, then growing trees
-            if (
-                arm not in costs
-                and self._could_win(costs, arm, best)
-                and self._affordable(costs, arm, base)
-            ):
-                self._spend(costs, arm, base)
+            if arm in costs or not self._could_win(costs, arm, best):
+                continue
+            if (price := self._price(costs, arm, base)) <= self._explore_credit:
+                self._explore_credit -= price
                 return arm
         return None
 
@@ -546,7 +539,7 @@ class TreeSizer:
             for a in costs
             if a not in exclude
             and self._could_win(costs, a, best, own=False)
-            and self._affordable(costs, a, base)
+            and self._price(costs, a, base) <= self._explore_credit
         ]
         if not candidates:
             return None

@@ -7,6 +7,7 @@ verifier (parents) and the KV compaction (which rows moved where).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -20,7 +21,21 @@ class AttentionPlan:
     valid_nodes: torch.Tensor | None  # their indices in ``rows`` (None: every node is real)
     blocks: torch.Tensor  # [R * B] int64 block ids of each request's first B blocks
     num_blocks: int  # B: the blocks holding the longest prefix (positions before a root)
-    mask: torch.Tensor  # [R, 1, N, B * block + N] additive: 0 visible, -inf hidden
+    block_size: int
+    dtype: torch.dtype
+    root_pos: torch.Tensor  # [R] int64: a request's prefix is the positions before it
+    ancestor_mask: torch.Tensor  # [R, N, N] bool (``TreeBatch.ancestor_mask``)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[R, 1, N, B * block + N] additive mask (0 visible, -inf hidden) of the torch
+        path. Built on first use only: the fused op reads ``ancestor_mask`` directly."""
+        span = self.num_blocks * self.block_size
+        prefix_ok = torch.arange(span)[None, :] < self.root_pos[:, None]
+        r, n, _ = self.ancestor_mask.shape
+        allowed = torch.cat([prefix_ok[:, None, :].expand(r, n, span), self.ancestor_mask], 2)
+        additive = torch.zeros(allowed.shape, dtype=self.dtype)
+        return additive.masked_fill(~allowed, float("-inf"))[:, None]
 
     def covers(self, num_tokens: int) -> bool:
         """Whether the tree rows are all of the step's ``num_tokens`` query rows (then no
@@ -98,11 +113,6 @@ class TreeBatch:
         if key not in self._plans:
             rows, valid = self.flat_rows(), self.valid()
             num_blocks = -(-max(int(self.root_pos.max()), 1) // block_size)
-            span = num_blocks * block_size
-            prefix_ok = torch.arange(span)[None, :] < self.root_pos[:, None]
-            r, n = self.parents.shape
-            allowed = torch.cat([prefix_ok[:, None, :].expand(r, n, span), self.ancestor_mask()], 2)
-            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
             flat_valid = valid.reshape(-1)
             self._plans[key] = AttentionPlan(
                 rows=rows.reshape(-1),
@@ -110,7 +120,10 @@ class TreeBatch:
                 valid_nodes=None if bool(flat_valid.all()) else flat_valid.nonzero()[:, 0],
                 blocks=self.block_table[:, :num_blocks].reshape(-1).long(),
                 num_blocks=num_blocks,
-                mask=additive[:, None],
+                block_size=block_size,
+                dtype=dtype,
+                root_pos=self.root_pos,
+                ancestor_mask=self.ancestor_mask(),
             )
         return self._plans[key]
 

@@ -129,3 +129,6 @@ def test_tree_rows_match_the_reference(
         node_k, node_v = batch.captured_kv["layers.0.attn"]
         assert torch.equal(node_k[b, :n], key[rows]) and torch.equal(node_v[b, :n], value[rows])
     assert not output.isnan().any()  # every row is a tree row, and every one was written
+    # the torch path's additive mask (R x N x prefix span) is built only where it is used
+    plan = batch.attention_plan(dtype, block)
+    assert ("mask" in vars(plan)) == (tree_attention_path == "torch")
