@@ -5,11 +5,12 @@ random K/V written with vLLM's own cache writer (never zeros). For each (batch,
 prefix length, verified tokens) it times:
 
 * vLLM: ``cpu_attention_with_kv_cache`` with a causal mask (what a chain costs);
-* tree: ``TreeCPUAttentionImpl.forward`` when every row is a tree row (vLLM's kernel
-  is then skipped): reading the prefix from the paged cache and masked SDPA over
-  prefix + ancestors;
+* fused / torch: ``TreeCPUAttentionImpl.forward`` when every row is a tree row (vLLM's
+  kernel is then skipped), by each of its two paths: the fused C++ op
+  (``attention/cpu_tree_op.py``, the prefix read in place) and the torch fallback
+  (the prefix gathered from the paged cache, then masked SDPA over prefix + ancestors);
 
-and checks that with a chain-shaped (causal) mask both give the same output.
+and checks that with a chain-shaped (causal) mask all give the same output.
 
     .venv/bin/python benchmarks/tree_attention_cpu.py [--out benchmarks/results/tree_attention_cpu.md]
 """
@@ -17,6 +18,7 @@ and checks that with a chain-shaped (causal) mask both give the same output.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +44,7 @@ def run_case(batch: int, prefix: int, tokens: int, dtype: torch.dtype) -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from eagle_vllm.attention import cpu_tree_op
     from eagle_vllm.attention.cpu_backend import TreeCPUAttentionImpl, verifying_trees
     from eagle_vllm.attention.tree_batch import TreeBatch
 
@@ -109,28 +112,38 @@ def run_case(batch: int, prefix: int, tokens: int, dtype: torch.dtype) -> dict:
             impl.forward(layer, query, node_k, node_v, kv_cache, metadata, tree_out)
         return tree_out
 
-    def plan():  # once per step, for all layers
-        new_step().attention_plan(dtype, BLOCK)
+    def plan():  # once per step, for all layers (the torch path also builds its mask)
+        p = new_step().attention_plan(dtype, BLOCK)
+        if path == "torch":
+            p.mask  # noqa: B018 (a lazy property: built on first use)
 
     vllm_kernel()
-    err = (tree().view(-1, H_Q, D).float() - out.float()).abs().max().item()
-    t_vllm = _time(vllm_kernel)
-    t_tree = _time(tree)
-    return {"batch": batch, "prefix": prefix, "tokens": tokens, "vllm_ms": t_vllm,
-            "tree_ms": t_tree, "plan_ms": _time(plan), "ratio": t_tree / t_vllm,
-            "max_err": err}  # fmt: skip
+    row = {"batch": batch, "prefix": prefix, "tokens": tokens, "vllm_ms": _time(vllm_kernel)}
+    for path in ("fused", "torch"):
+        os.environ["EAGLE_VLLM_TREE_ATTENTION"] = path
+        cpu_tree_op.load.cache_clear()
+        if path == "fused" and cpu_tree_op.load() is None:
+            raise SystemExit("the fused op did not build (see the warning above)")
+        step = new_step()
+        err = (tree().view(-1, H_Q, D).float() - out.float()).abs().max().item()
+        row |= {f"{path}_ms": _time(tree), f"{path}_plan_ms": _time(plan), f"{path}_err": err}
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tree_attention_cpu.md")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prefixes", default="256,1024")
+    parser.add_argument("--tokens", default="4,9,16,32", help="nodes per tree (a chain's shape)")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     rows = []
     for dtype in (torch.float32,):
-        for batch in (1, 8):
-            for prefix in (256, 1024):
-                for tokens in (8, 16, 32):
+        for batch in ints(args.batches):
+            for prefix in ints(args.prefixes):
+                for tokens in ints(args.tokens):
                     r = run_case(batch, prefix, tokens, dtype)
                     rows.append(r)
                     print(r, flush=True)
@@ -139,19 +152,23 @@ def main() -> None:
         "",
         f"Command: `.venv/bin/python benchmarks/tree_attention_cpu.py` (fp32, {torch.get_num_threads()}"
         " threads, SmolLM2 shapes: 9 q heads, 3 kv heads, head 64, block 128). Best of 3x20.",
-        "`tree` is the plugin's tree attention in one layer (`TreeCPUAttentionImpl`, every row",
-        "a tree row: prefix read from the paged cache + masked SDPA), which replaces vLLM's",
-        "kernel in a tree step; `plan` is built once per step for all layers (masks,",
-        "indices). `max err` compares the two on a chain-shaped (causal) mask.",
+        "`fused` and `torch` are the plugin's tree attention in one layer",
+        "(`TreeCPUAttentionImpl`, every row a tree row), which replaces vLLM's kernel in a",
+        "tree step: the fused C++ op (the prefix read in place from the paged cache) and the",
+        "torch fallback (the prefix gathered, then masked SDPA). `plan` is built once per",
+        "step for all layers (indices; the torch path's additive mask too). `max err`",
+        "compares each with vLLM's kernel on a chain-shaped (causal) mask.",
         "",
-        "| batch | prefix | tokens/request | vLLM kernel ms | tree ms | tree / vLLM | plan ms |"
-        " max err |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | prefix | tokens/request | vLLM kernel ms | fused ms | fused / vLLM |"
+        " torch ms | torch / vLLM | plan ms fused / torch | max err fused / torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['prefix']} | {r['tokens']} | {r['vllm_ms']:.3f} | "
-            f"{r['tree_ms']:.3f} | {r['ratio']:.1f}x | {r['plan_ms']:.3f} | {r['max_err']:.1e} |"
+            f"{r['fused_ms']:.3f} | {r['fused_ms'] / r['vllm_ms']:.1f}x | {r['torch_ms']:.3f} | "
+            f"{r['torch_ms'] / r['vllm_ms']:.1f}x | {r['fused_plan_ms']:.3f} / "
+            f"{r['torch_plan_ms']:.3f} | {r['fused_err']:.1e} / {r['torch_err']:.1e} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -11,6 +11,8 @@ from functools import cached_property
 
 import torch
 
+from eagle_vllm.tree.layout import ancestor_mask_from_parents
+
 
 @dataclass
 class AttentionPlan:
@@ -102,7 +104,7 @@ class TreeBatch:
 
         Computed once per step and reused by every attention layer."""
         if self._ancestor_mask is None:
-            self._ancestor_mask = self._build_ancestor_mask()
+            self._ancestor_mask = ancestor_mask_from_parents(self.parents, self.num_nodes)
         return self._ancestor_mask
 
     def attention_plan(self, dtype: torch.dtype, block_size: int) -> AttentionPlan:
@@ -126,17 +128,3 @@ class TreeBatch:
                 ancestor_mask=self.ancestor_mask(),
             )
         return self._plans[key]
-
-    def _build_ancestor_mask(self) -> torch.Tensor:
-        r, n = self.parents.shape
-        mask = torch.eye(n, dtype=torch.bool).repeat(r, 1, 1)
-        cur = self.parents.clone()
-        rows = torch.arange(n)[None, :].expand(r, n)
-        for _ in range(n):
-            has = cur >= 0
-            if not bool(has.any()):
-                break
-            b, i = has.nonzero(as_tuple=True)
-            mask[b, rows[b, i], cur[b, i]] = True
-            cur = torch.where(has, self.parents.gather(1, cur.clamp(min=0)), cur)
-        return mask & self.valid()[:, :, None] & self.valid()[:, None, :]

@@ -57,6 +57,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from eagle_vllm.tree.layout import ancestor_mask_from_parents
+
 BITS_PER_WORD = 32
 MAX_TREE_NODES = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -97,34 +99,6 @@ def unpack_ancestor_bits(bits: torch.Tensor, num_keys: int) -> torch.Tensor:
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int64, device=bits.device)
     flat = (bits.to(torch.int64)[..., None] >> shifts) & 1
     return flat.view(r, n, w * BITS_PER_WORD)[..., :num_keys].bool()
-
-
-def ancestor_mask_from_parents(
-    parents: torch.Tensor, num_nodes: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Bool ``[R, N, N]``: True where node i may attend to node j (j is i or an ancestor).
-
-    ``parents``: ``[R, N]`` int, parent node index, -1 for the root and padding (the
-    ``TreeBatch.parents`` convention). ``num_nodes``: ``[R]``; nodes at or past it are
-    padding and see / are seen by nothing. Same result as ``TreeBatch.ancestor_mask``.
-    """
-    r, n = parents.shape
-    device = parents.device
-    parents = parents.long()
-    mask = torch.eye(n, dtype=torch.bool, device=device).repeat(r, 1, 1)
-    rows = torch.arange(n, device=device)[None, :].expand(r, n)
-    cur = parents.clone()
-    for _ in range(n):  # at most depth steps: every step climbs one level
-        has = cur >= 0
-        if not bool(has.any()):
-            break
-        b, i = has.nonzero(as_tuple=True)
-        mask[b, rows[b, i], cur[b, i]] = True
-        cur = torch.where(has, parents.gather(1, cur.clamp(min=0)), cur)
-    if num_nodes is not None:
-        valid = torch.arange(n, device=device)[None, :] < num_nodes.to(device)[:, None]
-        mask &= valid[:, :, None] & valid[:, None, :]
-    return mask
 
 
 def ancestor_bits_from_parents(

@@ -45,17 +45,23 @@ def tree_attention_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "num_nodes, prefixes, block, dtype",
+    "num_nodes, prefixes, block, dtype, head",
     [
-        ([5, 5], [40, 17], 16, torch.float32),
-        ([7, 2, 4], [3, 50, 33], 16, torch.float32),
-        ([16, 1], [0, 200], 32, torch.float32),  # no prefix; a chain of one; ISA "vec"
-        ([4, 6], [70, 129], 32, torch.bfloat16),
-        ([9], [150], 32, torch.float32),  # one tree: its nodes are split between threads
+        ([5, 5], [40, 17], 16, torch.float32, D),
+        ([7, 2, 4], [3, 50, 33], 16, torch.float32, D),
+        ([16, 1], [0, 200], 32, torch.float32, D),  # no prefix; a chain of one; ISA "vec"
+        ([4, 6], [70, 129], 32, torch.bfloat16, D),
+        ([9], [150], 32, torch.float32, D),  # one tree: its nodes are split between threads
+        ([11, 3], [77, 20], 16, torch.float32, 80),  # a head of 2.5 vectors: masked tails
     ],
 )
 def test_tree_rows_match_the_reference(
-    num_nodes: list[int], prefixes: list[int], block: int, dtype, tree_attention_path: str
+    num_nodes: list[int],
+    prefixes: list[int],
+    block: int,
+    dtype,
+    head: int,
+    tree_attention_path: str,
 ):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -67,11 +73,11 @@ def test_tree_rows_match_the_reference(
 
     gen = torch.Generator().manual_seed(sum(num_nodes) + sum(prefixes))
     r, width = len(num_nodes), max(num_nodes)
-    isa = _get_attn_isa(dtype, block, D)
+    isa = _get_attn_isa(dtype, block, head)
     max_blocks = -(-(max(prefixes) + width) // block)
-    kv_cache = torch.zeros(r * max_blocks + 1, H_KV, block, 2 * D, dtype=dtype)
+    kv_cache = torch.zeros(r * max_blocks + 1, H_KV, block, 2 * head, dtype=dtype)
     block_table = (torch.randperm(r * max_blocks, generator=gen) + 1).view(r, -1).to(torch.int32)
-    view = kv_cache.view(kv_cache.shape[0], H_KV, block * 2, D)
+    view = kv_cache.view(kv_cache.shape[0], H_KV, block * 2, head)
     key_cache, value_cache = view.chunk(2, dim=2)
 
     def write(b: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -82,14 +88,14 @@ def test_tree_rows_match_the_reference(
     # the step's query rows: request b's nodes at flat rows root_index[b] + j
     root_index = torch.tensor([0, *torch.tensor(num_nodes).cumsum(0)[:-1].tolist()])
     total = sum(num_nodes)
-    query = torch.randn(total, H_Q, D, generator=gen).to(dtype)
-    key = torch.randn(total, H_KV, D, generator=gen).to(dtype)
-    value = torch.randn(total, H_KV, D, generator=gen).to(dtype)
+    query = torch.randn(total, H_Q, head, generator=gen).to(dtype)
+    key = torch.randn(total, H_KV, head, generator=gen).to(dtype)
+    value = torch.randn(total, H_KV, head, generator=gen).to(dtype)
     parents = torch.full((r, width), -1, dtype=torch.int64)
     depths = torch.zeros(r, width, dtype=torch.int64)
     for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
         pos = torch.arange(p)
-        prefix_k, prefix_v = (torch.randn(p, H_KV, D, generator=gen).to(dtype) for _ in "kv")
+        prefix_k, prefix_v = (torch.randn(p, H_KV, head, generator=gen).to(dtype) for _ in "kv")
         write(b, pos, prefix_k, prefix_v)
         rows = slice(int(root_index[b]), int(root_index[b]) + n)
         write(b, p + torch.arange(n), key[rows], value[rows])  # tree nodes in slot order
@@ -107,9 +113,9 @@ def test_tree_rows_match_the_reference(
     # what the tree path reads of the impl (its __init__ needs a whole VllmConfig; the
     # stock kernel is not called when every row is a tree row)
     impl = TreeCPUAttentionImpl.__new__(TreeCPUAttentionImpl)
-    impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = H_Q, H_KV, D, D**-0.5
+    impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = H_Q, H_KV, head, head**-0.5
     layer = SimpleNamespace(isa=isa, layer_name="layers.0.attn")
-    output = torch.full((total, H_Q * D), float("nan"), dtype=dtype)
+    output = torch.full((total, H_Q * head), float("nan"), dtype=dtype)
     with verifying_trees(batch):
         impl.forward(layer, query, key, value, kv_cache, SimpleNamespace(num_actual_tokens=total),
                      output)  # fmt: skip
@@ -121,9 +127,9 @@ def test_tree_rows_match_the_reference(
         f32 = (query[None, rows], pk, pv, key[None, rows], value[None, rows])
         q, pk, pv, k, v = (x.float() for x in f32)
         want = prefix_tree_attention(
-            q, pk, pv, torch.tensor([p]), k, v, mask[b : b + 1, :n, :n], D**-0.5
+            q, pk, pv, torch.tensor([p]), k, v, mask[b : b + 1, :n, :n], head**-0.5
         )
-        got = output[rows].view(1, n, H_Q, D).float()
+        got = output[rows].view(1, n, H_Q, head).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         node_k, node_v = batch.captured_kv["layers.0.attn"]

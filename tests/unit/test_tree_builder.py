@@ -17,6 +17,7 @@ from eagle_vllm.tree.builder import TreeBuilder
 from eagle_vllm.tree.layout import (
     DraftTree,
     ancestor_mask,
+    ancestor_mask_from_parents,
     chain_tree,
     check_tree,
     children_arrays,
@@ -586,3 +587,26 @@ def test_caller_chosen_children_keep_their_order_and_scores():
     assert torch.allclose(tree.scores[:, -1], expected_score)
     with pytest.raises(ValueError, match="children"):
         TreeBuilder(torch.tensor([5, 6]), 1, 2, 1).step(logprobs, children=pick[:1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ancestor_mask_matches_a_walk_up_the_tree(seed):
+    """Reachability squaring against walking each node's parent pointers, on ragged
+    random trees (chains included: the deepest case for the squaring's stop test)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 2, 5, 16, 33]
+    width = max(sizes)
+    parents = torch.full((len(sizes), width), -1, dtype=torch.long)
+    for r, n in enumerate(sizes):
+        for i in range(1, n):
+            chain = seed % 2 == 1 and r == len(sizes) - 1
+            parents[r, i] = i - 1 if chain else int(torch.randint(0, i, (1,), generator=g))
+    mask = ancestor_mask_from_parents(parents, torch.tensor(sizes))
+    want = torch.zeros(len(sizes), width, width, dtype=torch.bool)
+    for r, n in enumerate(sizes):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[r, i, j] = True
+                j = int(parents[r, j])
+    assert torch.equal(mask, want)

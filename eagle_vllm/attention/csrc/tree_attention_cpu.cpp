@@ -37,12 +37,17 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
 inline __m512 load16(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
-inline __mmask16 lanes_mask(int64_t n) {
+inline __mmask16 lanes_mask(int64_t n) {  // the first min(max(n, 0), 16) lanes
+  if (n <= 0) return 0;
   return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
-// e^x for x <= 0 (scores minus their max), |relative error| < 2e-7 on [-87, 0]
+// e^x for x <= 0 (scores minus their max), |relative error| < 2e-7 on [-80, 0], and exactly
+// 0 below -80 (masked scores are -inf). Never a subnormal: e^-87 is one once normalised,
+// and every product with a subnormal weight in the V pass costs a microcode assist
+// (a 16-node tree's masked pairs made the op 10x slower).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-80.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -54,7 +59,7 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);  // y * 2^n
+  return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, n));  // y * 2^n
 }
 #endif
 
@@ -72,33 +77,29 @@ inline float dot(const float* q, const T* k, int64_t size) {
   return total;
 }
 
-template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t size) {  // y += a * x
-  int64_t d = 0;
-#if defined(__AVX512F__)
-  const __m512 av = _mm512_set1_ps(a);
-  for (; d + kLanes <= size; d += kLanes)
-    _mm512_storeu_ps(y + d, _mm512_fmadd_ps(av, load16(x + d, 0xFFFF), _mm512_loadu_ps(y + d)));
-#endif
-  for (; d < size; ++d) y[d] += a * static_cast<float>(x[d]);
-}
-
-// scores[qi][0:count] = q[qi] . K^T[:, 0:count] for kTileQ queries (K^T rows of `stride`)
+// scores[qi][0:count] = q[qi] . K^T[:, 0:count] for kTileQ queries (K^T rows of `stride`).
+// 32 tokens per pass: 16 accumulators in registers, each query's broadcast used twice.
 template <typename T>
 inline void score_tile(const float* q, int64_t head_size, const T* k_t, int64_t stride,
                        int64_t count, float* scores, int64_t score_stride) {
 #if defined(__AVX512F__)
-  for (int64_t t0 = 0; t0 < count; t0 += kLanes) {
-    const __mmask16 m = lanes_mask(count - t0);
-    __m512 acc[kTileQ];
-    for (int64_t i = 0; i < kTileQ; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < count; t0 += 2 * kLanes) {
+    const __mmask16 m0 = lanes_mask(count - t0), m1 = lanes_mask(count - t0 - kLanes);
+    __m512 acc0[kTileQ], acc1[kTileQ];
+    for (int64_t i = 0; i < kTileQ; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_size; ++d) {
-      const __m512 kv = load16(k_t + d * stride + t0, m);
-      for (int64_t i = 0; i < kTileQ; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * head_size + d]), kv, acc[i]);
+      const T* k_row = k_t + d * stride + t0;
+      const __m512 k0 = load16(k_row, m0), k1 = load16(k_row + kLanes, m1);
+      for (int64_t i = 0; i < kTileQ; ++i) {
+        const __m512 qv = _mm512_set1_ps(q[i * head_size + d]);
+        acc0[i] = _mm512_fmadd_ps(qv, k0, acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(qv, k1, acc1[i]);
+      }
     }
-    for (int64_t i = 0; i < kTileQ; ++i)
-      _mm512_mask_storeu_ps(scores + i * score_stride + t0, m, acc[i]);
+    for (int64_t i = 0; i < kTileQ; ++i) {
+      _mm512_mask_storeu_ps(scores + i * score_stride + t0, m0, acc0[i]);
+      _mm512_mask_storeu_ps(scores + i * score_stride + t0 + kLanes, m1, acc1[i]);
+    }
   }
 #else
   for (int64_t i = 0; i < kTileQ; ++i) {
@@ -113,29 +114,78 @@ inline void score_tile(const float* q, int64_t head_size, const T* k_t, int64_t 
 #endif
 }
 
+// acc[qi][0:head_size] += sum_t probs[qi][t] * row(t)[0:head_size] for kTileQ queries
+// (probs rows of `prob_stride`). The accumulators of 32 dimensions stay in registers over
+// all `count` rows of V: each V row is read once per tile, each accumulator stored once.
+template <typename T, typename RowOf>
+inline void value_tile(const float* probs, int64_t prob_stride, RowOf row, int64_t count,
+                       int64_t head_size, float* acc) {
+#if defined(__AVX512F__)
+  for (int64_t d0 = 0; d0 < head_size; d0 += 2 * kLanes) {
+    const __mmask16 m0 = lanes_mask(head_size - d0), m1 = lanes_mask(head_size - d0 - kLanes);
+    __m512 acc0[kTileQ], acc1[kTileQ];
+    for (int64_t i = 0; i < kTileQ; ++i) {
+      acc0[i] = _mm512_maskz_loadu_ps(m0, acc + i * head_size + d0);
+      acc1[i] = _mm512_maskz_loadu_ps(m1, acc + i * head_size + d0 + kLanes);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const T* v = row(t) + d0;
+      const __m512 v0 = load16(v, m0), v1 = load16(v + kLanes, m1);
+      for (int64_t i = 0; i < kTileQ; ++i) {
+        const __m512 p = _mm512_set1_ps(probs[i * prob_stride + t]);
+        acc0[i] = _mm512_fmadd_ps(p, v0, acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(p, v1, acc1[i]);
+      }
+    }
+    for (int64_t i = 0; i < kTileQ; ++i) {
+      _mm512_mask_storeu_ps(acc + i * head_size + d0, m0, acc0[i]);
+      _mm512_mask_storeu_ps(acc + i * head_size + d0 + kLanes, m1, acc1[i]);
+    }
+  }
+#else
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = row(t);
+    for (int64_t i = 0; i < kTileQ; ++i) {
+      const float p = probs[i * prob_stride + t];
+      float* a = acc + i * head_size;
+      for (int64_t d = 0; d < head_size; ++d) a[d] += p * static_cast<float>(v[d]);
+    }
+  }
+#endif
+}
+
 // row[0:size] = softmax(row[0:size])
 inline void softmax(float* row, int64_t size) {
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < size; ++t) top = std::max(top, row[t]);
-  float total = 0.f;
-  int64_t t = 0;
 #if defined(__AVX512F__)
-  const __m512 topv = _mm512_set1_ps(top);
+  __m512 topv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < size; t += kLanes) {
+    const __mmask16 m = lanes_mask(size - t);
+    topv = _mm512_mask_max_ps(topv, m, topv, _mm512_maskz_loadu_ps(m, row + t));
+  }
+  topv = _mm512_set1_ps(_mm512_reduce_max_ps(topv));
   __m512 sum = _mm512_setzero_ps();
-  for (; t < size; t += kLanes) {
+  for (int64_t t = 0; t < size; t += kLanes) {
     const __mmask16 m = lanes_mask(size - t);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), topv));
     _mm512_mask_storeu_ps(row + t, m, e);
     sum = _mm512_mask_add_ps(sum, m, sum, e);
   }
-  total = _mm512_reduce_add_ps(sum);
-#endif
-  for (; t < size; ++t) {
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < size; t += kLanes) {
+    const __mmask16 m = lanes_mask(size - t);
+    _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), inv));
+  }
+#else
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < size; ++t) top = std::max(top, row[t]);
+  float total = 0.f;
+  for (int64_t t = 0; t < size; ++t) {
     row[t] = std::exp(row[t] - top);
     total += row[t];
   }
   const float inv = 1.f / total;
-  for (int64_t i = 0; i < size; ++i) row[i] *= inv;
+  for (int64_t t = 0; t < size; ++t) row[t] *= inv;
+#endif
 }
 
 template <typename scalar_t>
@@ -217,27 +267,26 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key,
         }
       }
       for (int64_t qi = 0; qi < nq; ++qi) softmax(scores.data() + qi * span, span);
-      // the weighted sum of V: prefix V rows (contiguous in the cache), then the nodes'
-      acc.assign(nq * head_size, 0.f);
-      for (int64_t b = 0; b * block_size < prefix; ++b) {
-        const scalar_t* v_blk = cache +
-                                (block_ptr[r * max_blocks + b] * num_kv_heads + kvh) * cache_head +
-                                block_size * head_size;
-        const int64_t count = std::min(block_size, prefix - b * block_size);
-        for (int64_t t = 0; t < count; ++t) {
-          const scalar_t* v_row = v_blk + t * head_size;
-          for (int64_t qi = 0; qi < nq; ++qi) {
-            axpy(scores[qi * span + b * block_size + t], v_row, acc.data() + qi * head_size,
-                 head_size);
-          }
+      // the weighted sum of V, a tile of queries at a time: prefix V rows (contiguous in
+      // the cache block), then the nodes' (zero weights where a node is not an ancestor)
+      acc.assign(nq_tiles * kTileQ * head_size, 0.f);
+      for (int64_t tile = 0; tile < nq_tiles; ++tile) {
+        const float* probs = scores.data() + tile * kTileQ * span;
+        float* acc_tile = acc.data() + tile * kTileQ * head_size;
+        for (int64_t b = 0; b * block_size < prefix; ++b) {
+          const scalar_t* v_blk = cache +
+                                  (block_ptr[r * max_blocks + b] * num_kv_heads + kvh) * cache_head +
+                                  block_size * head_size;
+          const int64_t count = std::min(block_size, prefix - b * block_size);
+          value_tile<scalar_t>(probs + b * block_size, span,
+                               [&](int64_t t) { return v_blk + t * head_size; }, count, head_size,
+                               acc_tile);
         }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* v_row = v_ptr + row_ptr[r * width + j] * v_stride + kvh * head_size;
-        for (int64_t qi = 0; qi < nq; ++qi) {
-          const float pt = scores[qi * span + prefix + j];
-          if (pt != 0.f) axpy(pt, v_row, acc.data() + qi * head_size, head_size);
-        }
+        const int64_t* node_rows = row_ptr + r * width;
+        value_tile<scalar_t>(
+            probs + prefix, span,
+            [&](int64_t j) { return v_ptr + node_rows[j] * v_stride + kvh * head_size; }, n,
+            head_size, acc_tile);
       }
       for (int64_t i = first; i < last; ++i) {
         scalar_t* dst = out_ptr + row_ptr[r * width + i] * out_stride;
