@@ -68,6 +68,13 @@ GREEDY, SAMPLED = "greedy", "sampled"
 # A class seen for the first time starts from the other class's rates, weighted as this
 # many verified drafts of its best node: its own first few steps outvote them.
 SEED_TRIALS = 8.0
+# A profile's acceptance describes its calibration prompts, not this engine's traffic
+# (costs describe the machine and stay): it starts as this many verified drafts of the
+# best node, so a workload that accepts less, such as code against a profile made on
+# chat, outvotes it within a few dozen drafts. At full weight (561 drafts in
+# benchmarks/results/sizing-profile-cpu.json) HumanEval at 4 requests kept drafting at
+# τ 1.23 for a whole 64-token run, at 0.88x vanilla.
+PROFILE_TRIALS = 64.0
 # Costs are kept per mode of the batch: GREEDY when no request samples, SAMPLED when any
 # does. Verification at T > 0 computes probabilities over the vocabulary for every
 # node (SmolLM2 on CPU: the rejection sampler was 12-40% of a drafting step at T=1
@@ -152,8 +159,14 @@ class AcceptanceStats:
 
     def seed_from(self, other: AcceptanceStats, weight: float = SEED_TRIALS) -> None:
         """Start from ``other``'s rates, worth at most ``weight`` trials of any node."""
-        scale = min(1.0, weight / max(float(other.trials.max()), 1e-9))
-        self.set_counts(other.hits * scale, other.trials * scale)
+        self.set_rates_from(other.hits, other.trials, weight)
+
+    def set_rates_from(self, hits: torch.Tensor, trials: torch.Tensor, weight: float) -> None:
+        """Start from the rates of these counts, worth at most ``weight`` trials of any
+        node (the counts are scaled down together, so every rate is kept)."""
+        trials = trials.to(torch.float64)
+        scale = min(1.0, weight / max(float(trials.max()), 1e-9))
+        self.set_counts(hits.to(torch.float64) * scale, trials * scale)
 
     def set_counts(self, hits: torch.Tensor, trials: torch.Tensor) -> None:
         self.hits = hits.to(torch.float64)
@@ -583,7 +596,8 @@ class TreeSizer:
     def load_profile(self, profile: dict) -> None:
         """Seed the tables from ``export_profile``'s output: one sample per cost, older
         than any the engine takes (so it is re-measured first, and outvoted by the
-        engine's own samples), and the acceptance counts. New batch buckets then start
+        engine's own samples), and the acceptance rates, worth ``PROFILE_TRIALS``
+        drafts. New batch buckets then start
         from measured costs instead of trying every arm. A cost only the profile has
         measured is scaled by how this engine's samples of the bucket's other costs
         compare with the profile's (the machine's drift since calibrating)."""
@@ -609,9 +623,10 @@ class TreeSizer:
         for key, cls in (("acceptance", GREEDY), ("acceptance_sampled", SAMPLED)):
             acceptance = profile.get(key)
             if acceptance:
-                self.acceptance_of[cls].set_counts(
+                self.acceptance_of[cls].set_rates_from(
                     torch.tensor(acceptance["hits"], dtype=torch.float64),
                     torch.tensor(acceptance["trials"], dtype=torch.float64),
+                    PROFILE_TRIALS,
                 )
 
     def table(self) -> dict:

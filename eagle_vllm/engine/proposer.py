@@ -45,7 +45,7 @@ from eagle_vllm.attention.paged_kv import check_cpu_isa, gather_cpu_kv
 from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
-from eagle_vllm.tree.builder import TreeBuilder
+from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
 
 # Deferred positions a request may collect before they are written anyway. Large, so a
@@ -315,6 +315,10 @@ class EagleTreeProposer(EagleProposer):
         ``self._last_q_rows`` for the verifier."""
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
+        if depth == 1 and temperatures is None:
+            # The shape the sizer picks most at batch 1: skip the builder's bookkeeping.
+            logprobs, token_ids = self._draft_logprobs(root_last_hidden, 1)
+            return depth_one_tree(root_tokens, logprobs, cfg.topk, total_tokens, token_ids)
         builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
         q_rows: list[torch.Tensor] = []
         self._last_q_rows = q_rows  # node j's child distribution, stacked by propose

@@ -90,7 +90,7 @@ from torch import Tensor
 
 from .layout import DraftTree, root_only_tree
 
-__all__ = ["Frontier", "TreeBuilder"]
+__all__ = ["Frontier", "TreeBuilder", "depth_one_tree"]
 
 
 @dataclass
@@ -212,22 +212,14 @@ class TreeBuilder:
         dev = self.device
 
         if children is None:
-            vals, idx = torch.topk(logprobs, k, dim=-1)  # [B, w, k]
+            vals, idx = _ranked_children(logprobs, k, token_ids)  # [B, w, k]
         else:
             if children.shape != (b, w, k):
                 raise ValueError(f"children must be [B={b}, w={w}, topk={k}]")
             idx = children.to(dev, torch.long)
-            vals = logprobs.gather(-1, idx)
-        if token_ids is not None:
-            idx = token_ids.to(idx.device)[idx]
-        vals = vals.float()
-        vals = torch.where(torch.isnan(vals), float("-inf"), vals).clamp(max=0.0)
-        if children is None:
-            # canonical sibling order: log-prob desc, then token id asc
-            idx, perm = torch.sort(idx, dim=-1)
-            vals = vals.gather(-1, perm)
-            vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-            idx = idx.gather(-1, perm)
+            vals = _clean_logprobs(logprobs.gather(-1, idx))
+            if token_ids is not None:
+                idx = token_ids.to(idx.device)[idx]
 
         child_scores = (fr.scores[:, :, None] + vals).reshape(b, w * k)
         child_tokens = idx.reshape(b, w * k).long()
@@ -340,3 +332,71 @@ class TreeBuilder:
             for i, x in enumerate(self._cand_tokens)
         ]
         return torch.cat(parts).expand(self.batch_size, -1)
+
+
+def _clean_logprobs(vals: Tensor) -> Tensor:
+    """float32, NaN -> -inf, and at most 0, so scores never rise along a path."""
+    vals = vals.float()
+    return torch.where(torch.isnan(vals), float("-inf"), vals).clamp(max=0.0)
+
+
+def _ranked_children(logprobs: Tensor, k: int, token_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each row's top-``k`` (log-prob, token) in the canonical sibling order: log-prob
+    descending, then token id ascending on ties. ``token_ids`` maps columns to tokens
+    when drafting over a reduced vocabulary."""
+    vals, idx = torch.topk(logprobs, k, dim=-1)
+    if token_ids is not None:
+        idx = token_ids.to(idx.device)[idx]
+    vals = _clean_logprobs(vals)
+    idx, perm = torch.sort(idx, dim=-1)
+    vals = vals.gather(-1, perm)
+    vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals, idx.gather(-1, perm)
+
+
+def depth_one_tree(
+    root_tokens: Tensor,
+    logprobs: Tensor,
+    topk: int,
+    total_tokens: int,
+    token_ids: Tensor | None = None,
+) -> DraftTree:
+    """The tree ``TreeBuilder(root_tokens, topk, total_tokens, depth=1)`` gives after one
+    ``step(logprobs, token_ids)`` and ``finalize(pad_to=total_tokens)``, built directly.
+
+    A one-pass tree is the root and its best ``min(topk, total_tokens - 1)`` children,
+    in the builder's order. This is the shape the sizer picks most often at batch 1, and
+    here it costs a top-k and two tiny sorts instead of the builder's bookkeeping for
+    later levels. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
+    """
+    if topk < 1 or total_tokens < 1:
+        raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
+    root_tokens = root_tokens.reshape(-1).long()
+    b, dev = root_tokens.shape[0], root_tokens.device
+    logprobs = logprobs.reshape(b, -1)
+    if logprobs.shape[1] < topk:
+        raise ValueError(f"vocab size {logprobs.shape[1]} < topk {topk}")
+    m = min(topk, total_tokens - 1)
+    width = int(total_tokens)
+    if m == 0:
+        return root_only_tree(root_tokens, width)
+    vals, idx = _ranked_children(logprobs, topk, token_ids)
+    vals, idx = vals[:, :m], idx[:, :m]
+
+    def row(first: int | float, body: Tensor, fill: int | float) -> Tensor:
+        out = torch.full((b, width), fill, dtype=body.dtype, device=dev)
+        out[:, 0] = first
+        out[:, 1 : m + 1] = body
+        return out
+
+    zeros = torch.zeros((b, m), dtype=torch.long, device=dev)
+    tokens = row(0, idx.long(), -1)
+    tokens[:, 0] = root_tokens
+    return DraftTree(
+        tokens=tokens,
+        parents=row(-1, zeros, -1),
+        depths=row(0, zeros + 1, -1),
+        num_nodes=torch.full((b,), m + 1, dtype=torch.long, device=dev),
+        scores=row(0.0, vals, float("-inf")),
+        parent_row=row(-1, zeros, -1),
+    )

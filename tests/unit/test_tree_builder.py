@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_vllm.tree.builder import TreeBuilder
+from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import (
     DraftTree,
     ancestor_mask,
@@ -610,3 +610,27 @@ def test_ancestor_mask_matches_a_walk_up_the_tree(seed):
                 want[r, i, j] = True
                 j = int(parents[r, j])
     assert torch.equal(mask, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("topk,total", [(1, 2), (3, 4), (4, 4), (4, 9), (8, 3), (2, 1)])
+def test_depth_one_tree_equals_the_builder(seed, topk, total):
+    """The one-pass shortcut builds exactly the builder's tree: ties (coarsely
+    quantised log-probs), NaN, positive rounding and a non-monotonic reduced vocabulary
+    included."""
+    g = torch.Generator().manual_seed(seed)
+    b, v = 5, 12
+    logprobs = torch.log_softmax(torch.randn(b, 1, v, generator=g), dim=-1)
+    logprobs = (logprobs * 2).round() / 2  # many exact ties
+    logprobs[0, 0, 3] = float("nan")
+    logprobs[1, 0, 5] = 1e-7
+    token_ids = torch.randperm(1000, generator=g)[:v] if seed % 2 else None
+    roots = torch.randint(0, 1000, (b,), generator=g)
+
+    builder = TreeBuilder(roots, topk, total, depth=1)
+    builder.step(logprobs, token_ids)
+    expected = builder.finalize(pad_to=total)
+    got = depth_one_tree(roots, logprobs, topk, total, token_ids)
+    for name in ("tokens", "parents", "depths", "num_nodes", "scores", "parent_row"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    check_tree(got)
