@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cprofile_generate.py --system off --concurrency 1
     .venv/bin/python benchmarks/cprofile_generate.py --system vanilla-timed --concurrency 1
 
-Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft``
+Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft`` / ``tree-1-4``
 (``configs/eagle2-auto.yaml`` pinned to no drafts / one draft), ``auto``. The engine runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, the
 drafter and the model. After an untimed warm-up on the same prompts, one ``generate()``
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PINS = {"off": "0,1", "one-draft": "1,2", "auto": None}
+PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "auto": None}
 # (label, function name as cProfile reports it, file suffix)
 LANDMARKS = [
     ("target forward", "_model_forward", "eagle_vllm/engine/runner.py"),
