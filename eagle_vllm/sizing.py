@@ -182,16 +182,16 @@ class AcceptanceStats:
         self.age()
         drafted = valid.clone()
         drafted[:, 0] = False  # the root is not a draft
-        deepest = int(depths[drafted].max()) if drafted.any() else 0
-        for d in range(1, self.depth + 1):
-            keep = drafted & (depths <= d)
-            if d > deepest and not keep.any():
-                break
-            # j-th kept node (1-based: the root is node 0)
-            j = torch.cumsum(keep.to(torch.int64), dim=1)[keep]
-            j = j.clamp(max=self.max_nodes - 1)
-            self.trials[d].index_add_(0, j, torch.ones_like(j, dtype=torch.float64))
-            self.hits[d].index_add_(0, j, accepted[keep].to(torch.float64))
+        # Trees cut at every depth d at once: keep[d - 1] holds the nodes at depth <= d,
+        # and a kept node counts as the j-th node of its cut tree (1-based: the root is
+        # node 0). One vectorised pass: this runs every step, on the critical path.
+        cuts = torch.arange(1, self.depth + 1)[:, None, None]
+        keep = drafted[None] & (depths[None] <= cuts)  # [depth, R, W]
+        j = torch.cumsum(keep.to(torch.int64), dim=2).clamp(max=self.max_nodes - 1)
+        index = (cuts * self.max_nodes + j)[keep]
+        self.trials.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+        hits = accepted[None].expand_as(keep)[keep].to(torch.float64)
+        self.hits.view(-1).index_add_(0, index, hits)
         self._expected = None
 
     def age(self) -> None:

@@ -38,6 +38,35 @@ def test_acceptance_rates_per_depth_limit():
     assert stats.expected_tokens(0, 4) == 1.0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_acceptance_update_counts_each_node_in_every_cut_tree(seed):
+    """Random ragged trees (padding, nodes past max_nodes) against a per-node walk: node
+    i at depth k is the j-th draft of the tree cut at every depth d >= k, where j counts
+    the verified drafts at depth <= d up to i, clamped to max_nodes - 1."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, max_nodes, rows, width = 3, 5, 6, 9
+    stats = AcceptanceStats(depth=depth, max_nodes=max_nodes, decay=0.9)
+    hits = torch.zeros(depth + 1, max_nodes, dtype=torch.float64)
+    trials = torch.zeros_like(hits)
+    for _ in range(3):
+        depths = torch.randint(1, depth + 1, (rows, width), generator=gen)
+        depths[:, 0] = 0
+        valid = torch.arange(width)[None] < torch.randint(1, width + 1, (rows, 1), generator=gen)
+        accepted = torch.rand(rows, width, generator=gen) < 0.4
+        stats.update(depths, valid, accepted)
+        hits *= 0.9
+        trials *= 0.9
+        for r in range(rows):
+            for d in range(1, depth + 1):
+                j = 0
+                for i in range(1, width):
+                    if valid[r, i] and depths[r, i] <= d:
+                        j += 1
+                        trials[d, min(j, max_nodes - 1)] += 1
+                        hits[d, min(j, max_nodes - 1)] += float(accepted[r, i])
+    assert torch.allclose(stats.trials, trials) and torch.allclose(stats.hits, hits)
+
+
 def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
     """The runner's accounting of one finished step, with only the sizer it feeds."""
     from types import SimpleNamespace
