@@ -63,23 +63,33 @@ bench:
 		--max-tokens 64 --reps 2 --out benchmarks/results/concurrency-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 
-# The committed reference head (heads/smollm2-135m-instruct-eagle): the exact command that
-# made it. The first user turns of 1500 ShareGPT conversations (MT-bench/HumanEval overlap
-# dropped) are answered by SmolLM2 itself (greedy, fp32, up to 320 tokens, through vLLM),
-# so the head learns the text it must predict at serving time; then 900 steps. Resumable:
-# rerunning continues from the cached answers (conversations.jsonl), the cached features
-# and state.pt. About an hour of regeneration and 35 minutes of training on 2 cores.
+# The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
+# made it. The first user turns of ShareGPT conversations 0-4736 (MT-bench/HumanEval
+# overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320 tokens, through
+# vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns the text it
+# must predict at serving time: 4308 usable conversations, 1.67M tokens. fp32 features.
+# It was trained in four runs across sessions 11-12, each resuming from state.pt with the
+# cosine schedule restarted over the new length (700, 1100, 2000, 3000 steps); the loop
+# replays them. Resumable at every stage. About 30 minutes of feature extraction and 65
+# of training on 2 cores.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
+REF_HEAD_STEPS := 700 1100 2000 3000
 reference-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	mkdir -p $(REF_HEAD)
+	test -f $(REF_HEAD)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(REF_HEAD)/
+	for steps in $(REF_HEAD_STEPS); do { \
 	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REF_HEAD) \
-		--data sharegpt --num-conversations 1500 --max-len 1024 \
-		--regenerate --regen-max-tokens 320 --regen-dtype float32 \
-		--max-steps 900 --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
+		--data sharegpt --num-conversations 4736 --max-len 1024 \
+		--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype float32 \
+		--max-steps $$steps --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
 		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise uniform --noise-scale 0.1 \
-		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(REF_HEAD).log
+		--eval-every 100 --save-every 50 --seed 0 2>&1 || echo failed > $(REF_HEAD).failed; } \
+		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
+	done
 
 # The noise ablation: the first reference head's recipe (ShareGPT's own answers, 1000
 # conversations, 600 steps) without feature noise (train with 1 thread so it can run
