@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/cprofile_generate.py --system off --concurrency 1
     .venv/bin/python benchmarks/cprofile_generate.py --system vanilla-timed --concurrency 1
 
-Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft`` / ``tree-1-4``
-(``configs/eagle2-auto.yaml`` pinned to no drafts / one draft), ``auto``. The engine runs
+Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft``
+/ ``tree-1-4`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one draft / one pass of
+a 4-node tree), ``auto``. The engine runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, the
 drafter and the model. After an untimed warm-up on the same prompts, one ``generate()``
 is profiled; prints the wall time, the per-step cost of a few landmarks (target

@@ -383,17 +383,15 @@ def depth_one_tree(
     vals, idx = _ranked_children(logprobs, topk, token_ids)
     vals, idx = vals[:, :m], idx[:, :m]
 
-    def row(first: int | float, body: Tensor, fill: int | float) -> Tensor:
+    def row(first: Tensor | int | float, body: Tensor, fill: int | float) -> Tensor:
         out = torch.full((b, width), fill, dtype=body.dtype, device=dev)
         out[:, 0] = first
         out[:, 1 : m + 1] = body
         return out
 
     zeros = torch.zeros((b, m), dtype=torch.long, device=dev)
-    tokens = row(0, idx.long(), -1)
-    tokens[:, 0] = root_tokens
     return DraftTree(
-        tokens=tokens,
+        tokens=row(root_tokens, idx.long(), -1),
         parents=row(-1, zeros, -1),
         depths=row(0, zeros + 1, -1),
         num_nodes=torch.full((b,), m + 1, dtype=torch.long, device=dev),

@@ -539,6 +539,38 @@ def _assert_same_rates(loaded, source) -> None:
     )
 
 
+def _serve_one_draft_at_four(
+    hits: float, trials: float, profile_speed: float, steps: int
+) -> list[tuple[int, int]]:
+    """A one-draft sizer (off or one draft) loaded with a profile of these acceptance
+    counts, with costs ``profile_speed`` times the live ones, serving 4 requests that
+    accept 10% of drafts; the arms it chose."""
+    verify = {1: 0.041, 2: 0.052}  # live seconds per step at 4 requests, by tree nodes
+    draft = {0: 0.001, 1: 0.006}  # by draft passes
+    profile = {
+        "eagle_vllm_sizing_profile": 1,
+        "depth": 1,
+        "topk": 1,
+        "max_nodes": 2,
+        "verify_seconds": {f"4,{n}": profile_speed * s for n, s in verify.items()},
+        "draft_seconds": {f"4,{d}": profile_speed * s for d, s in draft.items()},
+        "acceptance": {"hits": [[0.0, 0.0], [0.0, hits]], "trials": [[0.0, 0.0], [0.0, trials]]},
+    }
+    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    sizer.load_profile(profile)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        d, m = sizer.choose(4)
+        sizer.observe_draft(4, d, draft[d])
+        if d:
+            accepted = torch.rand(4, 2, generator=gen) < 0.1
+            accepted[:, 0] = True
+            depths = torch.tensor([[0, 1]]).repeat(4, 1)
+            sizer.observe_acceptance(depths, torch.ones(4, 2, dtype=torch.bool), accepted)
+        sizer.observe_verify(4, m, verify[m])
+    return [h[1:] for h in sizer.history]
+
+
 @pytest.mark.parametrize("profile_trials", [None, 1e9])
 def test_live_acceptance_outvotes_a_profile_made_on_other_prompts(profile_trials, monkeypatch):
     """A profile calibrated on chat (561 drafts accepted half the time) served to code
@@ -549,30 +581,7 @@ def test_live_acceptance_outvotes_a_profile_made_on_other_prompts(profile_trials
 
     if profile_trials is not None:
         monkeypatch.setattr(sizing, "PROFILE_TRIALS", profile_trials)
-    verify = {1: 0.041, 2: 0.052}
-    draft = {0: 0.001, 1: 0.006}
-    profile = {
-        "eagle_vllm_sizing_profile": 1,
-        "depth": 1,
-        "topk": 1,
-        "max_nodes": 2,
-        "verify_seconds": {f"4,{n}": s for n, s in verify.items()},
-        "draft_seconds": {f"4,{d}": s for d, s in draft.items()},
-        "acceptance": {"hits": [[0.0, 0.0], [0.0, 280.0]], "trials": [[0.0, 0.0], [0.0, 561.0]]},
-    }
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
-    sizer.load_profile(profile)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(48):
-        d, m = sizer.choose(4)
-        sizer.observe_draft(4, d, draft[d])
-        if d:
-            accepted = torch.rand(4, 2, generator=gen) < 0.1
-            accepted[:, 0] = True
-            depths = torch.tensor([[0, 1]]).repeat(4, 1)
-            sizer.observe_acceptance(depths, torch.ones(4, 2, dtype=torch.bool), accepted)
-        sizer.observe_verify(4, m, verify[m])
-    choices = [h[1:] for h in sizer.history]
+    choices = _serve_one_draft_at_four(hits=280.0, trials=561.0, profile_speed=1.0, steps=48)
     assert choices[0] == (1, 2)  # the profile's acceptance: drafting wins at first
     drafted = sum(c != OFF for c in choices[:24])
     if profile_trials is None:
@@ -587,31 +596,8 @@ def test_profile_costs_follow_the_machine_s_drift_since_calibrating():
     and one draft kept running until an exploration re-measured it (32 steps);
     scaled by the live/profile ratio of the arm in use, the sizer turns drafts off as
     soon as it has learned their acceptance."""
-    verify = {1: 0.041, 2: 0.052}  # live seconds per step at 4 requests, by tree nodes
-    draft = {0: 0.001, 1: 0.006}  # by draft passes
-    profile = {
-        "eagle_vllm_sizing_profile": 1,
-        "depth": 1,
-        "topk": 1,
-        "max_nodes": 2,
-        "verify_seconds": {f"4,{n}": 1.3 * s for n, s in verify.items()},
-        "draft_seconds": {f"4,{d}": 1.3 * s for d, s in draft.items()},
-        # greedy, E(1, 2) = 1.45 over 40 verified drafts; this load accepts 10%
-        "acceptance": {"hits": [[0.0, 0.0], [0.0, 18.0]], "trials": [[0.0, 0.0], [0.0, 40.0]]},
-    }
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
-    sizer.load_profile(profile)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(24):
-        d, m = sizer.choose(4)
-        sizer.observe_draft(4, d, draft[d])
-        if d:
-            accepted = torch.rand(4, 2, generator=gen) < 0.1
-            accepted[:, 0] = True
-            depths = torch.tensor([[0, 1]]).repeat(4, 1)
-            sizer.observe_acceptance(depths, torch.ones(4, 2, dtype=torch.bool), accepted)
-        sizer.observe_verify(4, m, verify[m])
-    choices = [h[1:] for h in sizer.history]
+    # greedy, E(1, 2) = 1.45 over 40 verified drafts, priced 30% slower than live
+    choices = _serve_one_draft_at_four(hits=18.0, trials=40.0, profile_speed=1.3, steps=24)
     assert choices[0] == (1, 2)  # the profile's acceptance and costs: drafting wins
     assert all(c == OFF for c in choices[14:24]), choices
 
