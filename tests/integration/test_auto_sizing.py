@@ -43,11 +43,15 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
     assert got_batch == vanilla["batch"]
     assert got_single == vanilla["single"]
     arms = [tuple(a) for a in sizing["arms"]]
-    # off, and several tree sizes, at any of the run's batch sizes (9 requests, then 1).
-    # Which arms a short run tries depends on this machine's timings: in session 12 the
-    # chain tried only off and one draft at batch 1 in some runs, more at batch 9.
+    # Steps with no drafts and steps with drafts, at any of the run's batch sizes (9
+    # requests, then 1), so output stayed exact across the switches. How many tree sizes
+    # a short run tries depends on this machine's timings: the chain, whose noisy draft
+    # rarely pays, tried only off and (1,2) in two fresh-clone CI runs (session 12), so
+    # only the tree (topk 3, which always tried several) must show three sizes.
     chosen = [(d, m) for _, d, m in sizing["history"]]
-    assert (0, 1) in chosen and len(set(chosen)) >= 3, sizing["history"]
+    assert (0, 1) in chosen and any(d > 0 for d, _ in chosen), sizing["history"]
+    if method == "eagle2":
+        assert len(set(chosen)) >= 3, sizing["history"]
     assert any(batch == 1 and d > 0 for batch, d, _ in sizing["history"])
     # warm-up measured the cost of no drafts and of trees at batch 1 (arms that could
     # not beat the best measured one are never tried)
