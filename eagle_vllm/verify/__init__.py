@@ -5,6 +5,7 @@ Rules (see ``docs/lossless-verification.md``):
 * :func:`greedy_verify` -- argmax walk (temperature 0).
 * :func:`deterministic_tree_verify` -- exact for any tree not depending on the
   verifier's randomness (top-k / EAGLE-2 dynamic trees); needs only target probs.
+  :func:`tree_verify_with_draws` is the same rule with the caller's sampler.
 * :func:`sampled_tree_verify` / :func:`sampled_chain_verify` -- recursive rejection
   sampling, exact only when the children were sampled from the draft ``q`` (i.i.d.
   with ``replacement=True``, sequentially without replacement with ``False``).
@@ -18,6 +19,7 @@ from eagle_vllm.verify.rejection import (
     sample_from_probs,
     sampled_chain_verify,
     sampled_tree_verify,
+    tree_verify_with_draws,
 )
 
 __all__ = [
@@ -30,4 +32,5 @@ __all__ = [
     "sample_from_probs",
     "sampled_chain_verify",
     "sampled_tree_verify",
+    "tree_verify_with_draws",
 ]

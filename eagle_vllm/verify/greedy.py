@@ -119,14 +119,17 @@ def _walk_tree(
     tokens: Tensor,
     parents: Tensor,
     num_nodes: Tensor,
-    choose: Callable[[Tensor], Tensor],
+    choose: Callable[..., Tensor],
+    active_rows_only: bool = False,
 ) -> VerifyResult:
     """Walk from the root; at node ``u`` the verifier picks ``y = choose(u)``; move to
     the first child of ``u`` whose token is ``y``, otherwise stop and emit ``y``.
 
     ``choose`` maps the ``[B]`` current nodes to ``[B]`` chosen tokens; it is called
     once per depth for every row (rows that already stopped are ignored) and, for a
-    given row, never twice on the same node.
+    given row, never twice on the same node. With ``active_rows_only`` it is called as
+    ``choose(rows, nodes)`` for the rows still walking only, and returns their tokens
+    (for choices that cost a draw per row).
     """
     B, N = tokens.shape
     device = tokens.device
@@ -138,7 +141,12 @@ def _walk_tree(
     active = torch.ones(B, dtype=torch.bool, device=device)
     final = torch.zeros(B, dtype=torch.long, device=device)
     for _ in range(N):  # a path holds at most N-1 drafts, so at most N choices
-        y = choose(cur).to(torch.long)
+        if active_rows_only:
+            rows = active.nonzero().view(-1)
+            y = torch.zeros(B, dtype=torch.long, device=device)
+            y[rows] = choose(rows, cur[rows]).to(torch.long)
+        else:
+            y = choose(cur).to(torch.long)
         match = (par == cur.unsqueeze(1)) & (toks == y.unsqueeze(1))
         first = torch.where(match, idx, N).min(dim=1).values
         found = active & (first < N)

@@ -8,9 +8,11 @@ later draw. Keying each draw by the position of the token it decides makes a
 seeded request's output a function of (seed, the target's distributions) only:
 the token at position t is drawn with randomness keyed by (seed, t) whichever
 step, tree or draft produced the candidates. Every seeded draw, in the verifier's
-walk and in vLLM's own sampler (bonus tokens, steps without drafts), is the same
-exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` from
-``position_generator(seed, t)``, so it does not matter which of them decides t.
+walk and in vLLM's own sampler (bonus tokens, steps without drafts), is made by vLLM's
+sampler with the generator ``position_generator(seed, t)``: the walk calls that
+sampler too (``engine/sampler.py``), so it does not matter which of them decides t,
+whatever the platform's sampler does with the generator (vLLM 0.32 on CPU draws a
+seed from it for a fused Gumbel-max; on CUDA, Exp(1) values for an exponential race).
 
 Exactness is unaffected: along a sequence each position's uniform is used for
 one draw, and uniforms at distinct positions are independent draws of a
@@ -69,14 +71,3 @@ def position_generator(
     g = torch.Generator(device=device)
     g.manual_seed(int(key.item()) & ((1 << 63) - 1))
     return g
-
-
-def position_exponentials(
-    seed: int, positions: Tensor, vocab: int, device: str | torch.device = "cpu"
-) -> Tensor:
-    """``[len(positions), vocab]`` Exp(1) draws, row i from ``position_generator(seed,
-    positions[i])``: the values vLLM's sampler draws for that position (``exponential_``)."""
-    out = torch.empty(positions.numel(), vocab, device=device)
-    for i, pos in enumerate(positions.tolist()):
-        out[i].exponential_(generator=position_generator(seed, pos, DOMAIN_SAMPLER, device))
-    return out

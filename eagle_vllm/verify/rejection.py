@@ -8,7 +8,8 @@ Pure torch, no vLLM imports.  The tree convention is the one documented in
   ``u`` carries ``y`` move there, otherwise emit ``y``.  Exact for ANY tree (tokens
   and shape) that does not depend on the verifier's random draws: top-k / argmax
   drafts, the EAGLE-2 dynamic tree, sampled drafts, anything.  Needs no draft
-  probabilities.
+  probabilities.  :func:`tree_verify_with_draws` is the same walk with the caller's
+  sampler, drawing at the visited nodes only.
 * :func:`sampled_tree_verify` -- recursive rejection sampling (SpecInfer / RSD) for
   children SAMPLED from the draft distribution ``q`` of their parent:
   ``replacement=True``: siblings are i.i.d. draws from ``q``;
@@ -29,7 +30,7 @@ identical generators on every tensor-parallel rank give identical results.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ from eagle_vllm.verify.greedy import (
 
 __all__ = [
     "deterministic_tree_verify",
+    "tree_verify_with_draws",
     "sampled_chain_verify",
     "sampled_tree_verify",
     "chain_parents",
@@ -154,7 +156,6 @@ def deterministic_tree_verify(
     num_nodes: Tensor,
     target_probs: Tensor,
     generators: Generators = None,
-    exponentials: Tensor | None = None,
 ) -> VerifyResult:
     """Exact verification of candidates that do not depend on the verifier's randomness
     (top-k / argmax drafts, EAGLE-2 dynamic trees; sampled drafts are fine too).
@@ -166,21 +167,10 @@ def deterministic_tree_verify(
     sibling x with p(x), else zero it out and renormalise") at thresholds 1.
 
     The draw at node ``u`` uses uniform ``u`` of the request (see module docstring).
-    With ``exponentials [B, N, V]`` (i.i.d. Exp(1) per node, e.g. keyed by sequence
-    position, see ``position_rng``) it is instead the exponential race
-    ``argmax(p_u / E_u)``, an exact draw from ``p_u``, and exactly the draw vLLM's own
-    sampler makes from the same Exp(1) values.
+    :func:`tree_verify_with_draws` is the same rule with the draws left to the caller.
     """
     _check_tree_inputs(tokens, parents, num_nodes, target_probs)
     B, N = tokens.shape
-    if exponentials is not None:
-
-        def choose(cur: Tensor) -> Tensor:
-            rows = _gather_rows(target_probs, cur).clamp_min(0.0)
-            return (rows / _gather_rows(exponentials, cur).to(rows.dtype)).argmax(dim=-1)
-
-        return _walk_tree(tokens, parents, num_nodes, choose)
-
     u = draw_uniforms(generators, num_nodes, N, target_probs.device)
 
     def choose(cur: Tensor) -> Tensor:
@@ -188,6 +178,29 @@ def deterministic_tree_verify(
         return sample_from_probs(_gather_rows(target_probs, cur), coin)
 
     return _walk_tree(tokens, parents, num_nodes, choose)
+
+
+def tree_verify_with_draws(
+    tokens: Tensor,
+    parents: Tensor,
+    num_nodes: Tensor,
+    draw: Callable[[Tensor, Tensor], Tensor],
+) -> VerifyResult:
+    """:func:`deterministic_tree_verify` with the caller's draws: ``draw(rows, nodes)``
+    returns, for each request ``rows[i]``, a token drawn from the target's distribution
+    after node ``nodes[i]``, independently of every other draw. It is called once per
+    depth, with the requests still walking only, and never twice on one node, so
+    a draw is made for the visited nodes alone (at most the accepted path plus one per
+    request, instead of a row of every node). Exact for the same trees, with any exact
+    sampler: the glue uses vLLM's own, so a draw is the one vLLM would make.
+    """
+    B, N = tokens.shape
+    if parents.shape != (B, N) or num_nodes.shape != (B,):
+        raise ValueError(
+            f"tokens [B, N], parents [B, N] and num_nodes [B] must agree: got "
+            f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(num_nodes.shape)}"
+        )
+    return _walk_tree(tokens, parents, num_nodes, draw, active_rows_only=True)
 
 
 def sampled_tree_verify(

@@ -154,3 +154,36 @@ def test_the_test_rejects_vllm_builtin_eagle_on_cpu(small, vanilla):
     theirs = _spec_samples(small["target"], spec, 1.0, builtin=True)
     p = min(_two_sample_p(theirs, vanilla["t1"], cols) for cols in ((0, 1), (1, 2)))
     assert p < P_MIN, p
+
+
+def test_drafts_cannot_change_a_seeded_output(small, monkeypatch):
+    """A seeded request's tokens are the same with trees verified as without drafts:
+    every seeded draw, the verifier's walk included, is vLLM's sampler's with the
+    generator keyed by (seed, position) (engine/sampler.py). Before session 13 the walk
+    made its own exponential race, which vLLM 0.32's CPU sampler does not, and the
+    positions the walk decided came out different."""
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=10, ignore_eos=True)
+        for i in range(48)
+    ]
+    prompts = [PROMPT] * len(params)
+    spec = {"method": "eagle2", "model": str(small["good"]), "num_speculative_tokens": 3,
+            "topk": 3, "total_tokens": 8}  # fmt: skip
+    llm = LLM(str(small["target"]), speculative_config=spec, **ENGINE_KW, seed=2)
+    with_trees = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    metrics = spec_metrics(llm)
+    shutdown(llm)
+    # the same engine with the load-aware sizer held at no drafts in every step
+    monkeypatch.setenv("EAGLE_VLLM_SIZER_PIN", "0,1")
+    llm = LLM(str(small["target"]), speculative_config={**spec, "total_tokens": "auto"},
+              **ENGINE_KW, seed=5)  # fmt: skip
+    without = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    drafted_after = spec_metrics(llm).get("num_drafts", 0)
+    shutdown(llm)
+    assert metrics["num_accepted_tokens"] > len(params)  # the walk decided many positions
+    assert drafted_after == 0
+    assert with_trees == without

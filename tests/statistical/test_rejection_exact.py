@@ -35,6 +35,7 @@ from eagle_vllm.verify import (
     deterministic_tree_verify,
     sampled_chain_verify,
     sampled_tree_verify,
+    tree_verify_with_draws,
 )
 
 torch.set_num_threads(1)
@@ -275,6 +276,21 @@ def v_det(b: Batch):
     return deterministic_tree_verify(b.tokens, b.parents, b.num_nodes, b.target)
 
 
+def v_draws(sample: bool = True):
+    """Rule C with the caller's draws (what engine/sampler.py does with vLLM's sampler):
+    a categorical draw from the visited node's target row; ``sample=False`` takes the
+    row's argmax instead (a wrong "draw" the check must catch)."""
+
+    def f(b: Batch):
+        def draw(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+            p = b.target[rows, nodes]
+            return torch.multinomial(p, 1).view(-1) if sample else p.argmax(dim=-1)
+
+        return tree_verify_with_draws(b.tokens, b.parents, b.num_nodes, draw)
+
+    return f
+
+
 def reference_rss(accept_with_p: bool = False, forget: bool = False):
     """Independent, test-side recursive rejection sampling with replacement (fixed tree
     shape), with optional deliberate bugs:
@@ -403,6 +419,14 @@ def test_deterministic_rule_exact(mode, kind, shape):
     assert_exact(run_check(model, shape, mode, v_det, seed=41))
 
 
+@pytest.mark.parametrize(
+    ("mode", "kind", "shape"), [("topk", "far", TREE_A), ("iid", "zeros", TREE_B)]
+)
+def test_rule_with_callers_draws_exact(mode, kind, shape):
+    model = make_model(6, 3, kind, seed=42, min_q_support=4)
+    assert_exact(run_check(model, shape, mode, v_draws(), seed=43))
+
+
 def test_reference_implementation_is_exact():
     """Positive control: the test-side implementation used for the mutants passes."""
     model = make_model(5, 3, "far", seed=50)
@@ -428,6 +452,11 @@ def test_detects_topk_drafts_treated_as_sampled():
     model = make_model(6, 3, "close", seed=64, min_q_support=4)
     for rep in (False, True):
         assert_detected(run_check(model, TREE_A, "topk", v_tree(rep), seed=65, n=100_000))
+
+
+def test_detects_argmax_in_place_of_the_callers_draw():
+    model = make_model(6, 3, "far", seed=68, min_q_support=4)
+    assert_detected(run_check(model, TREE_A, "topk", v_draws(sample=False), seed=69, n=100_000))
 
 
 def test_detects_mismatched_replacement_assumption():

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from scipy import stats
 
-from eagle_vllm.verify import deterministic_tree_verify
+from eagle_vllm.verify import tree_verify_with_draws
 from eagle_vllm.verify.position_rng import (
     DOMAIN_SAMPLER,
-    position_exponentials,
     position_generator,
     position_uniforms,
 )
@@ -58,32 +57,26 @@ def _generate(seed: int, tree_seed: int, length: int = 12) -> list[int]:
         for i in range(1, n):
             depth[i] = depth[parents[i]] + 1
             prefix_of.append(prefix_of[parents[i]] + (tokens[i],))
-        probs = torch.stack([_lm(p) for p in prefix_of])[None]
-        pos = torch.tensor([len(out) + d for d in depth])  # position each node's draw decides
-        exps = position_exponentials(seed, pos, V)[None]
-        res = deterministic_tree_verify(
-            torch.tensor([tokens]),
-            torch.tensor([parents]),
-            torch.tensor([n]),
-            probs,
-            exponentials=exps,
+        probs = torch.stack([_lm(p) for p in prefix_of])
+        pos = [len(out) + d for d in depth]  # position each node's draw decides
+
+        def draw(rows, nodes, probs=probs, pos=pos):
+            # an exponential race keyed by (seed, position), as vLLM's native sampler
+            # draws with a position-keyed generator (engine/sampler.py calls vLLM's own:
+            # tests/unit/test_sampler_draws.py)
+            tokens = []
+            for node in nodes.tolist():
+                e = torch.empty(V).exponential_(
+                    generator=position_generator(seed, pos[node], DOMAIN_SAMPLER)
+                )
+                tokens.append(int((probs[node] / e).argmax()))
+            return torch.tensor(tokens)
+
+        res = tree_verify_with_draws(
+            torch.tensor([tokens]), torch.tensor([parents]), torch.tensor([n]), draw
         )
         out += [t for t in res.output_tokens[0].tolist() if t >= 0]
     return out[:length]
-
-
-def test_the_walk_draws_what_vllms_sampler_would():
-    """The exponential race with position_generator's Exp(1) values is vLLM's random_sample."""
-    probs = torch.softmax(torch.randn(5, V), dim=-1)
-    seeds, pos = [3, 3, 9, 11, 12], [0, 1, 5, 5, 40]
-    exps = torch.stack(
-        [position_exponentials(s, torch.tensor([p]), V)[0] for s, p in zip(seeds, pos)]
-    )
-    ours = (probs / exps).argmax(-1)
-    q = torch.empty_like(probs)
-    for i, (s, p) in enumerate(zip(seeds, pos)):
-        q[i].exponential_(generator=position_generator(s, p, DOMAIN_SAMPLER))
-    assert torch.equal(ours, probs.div(q).argmax(-1))  # vllm/v1/sample/ops/topk_topp_sampler.py
 
 
 def test_the_tree_cannot_change_a_seeded_output():

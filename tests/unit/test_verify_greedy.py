@@ -7,7 +7,12 @@ import random
 import pytest
 import torch
 
-from eagle_vllm.verify import VerifyResult, greedy_verify, greedy_verify_choices
+from eagle_vllm.verify import (
+    VerifyResult,
+    greedy_verify,
+    greedy_verify_choices,
+    tree_verify_with_draws,
+)
 
 torch.set_num_threads(1)
 
@@ -234,6 +239,28 @@ def test_choices_alone_give_the_same_walk():
     assert full.num_accepted.max() >= 2
     with pytest.raises(ValueError, match="choice must be"):
         greedy_verify_choices(tokens, parents, num_nodes, logits.argmax(-1)[:, :4])
+
+
+def test_callers_draws_walk_the_same_path_visiting_only_walking_rows():
+    """tree_verify_with_draws with argmax draws is the greedy walk; it asks for a draw
+    of the rows still walking only, never twice for one node of a row."""
+    gen = torch.Generator().manual_seed(6)
+    rng = random.Random(6)
+    trees = [random_tree(rng, rng.randint(1, 9), 3) for _ in range(200)]
+    tokens, parents, num_nodes, logits = pad_batch(trees, 9, 3, gen, garbage=True)
+    asked: list[tuple[int, int]] = []
+
+    def draw(rows, nodes):
+        asked.extend(zip(rows.tolist(), nodes.tolist()))
+        return logits[rows, nodes].argmax(-1)
+
+    full = greedy_verify(tokens, parents, num_nodes, logits)
+    walked = tree_verify_with_draws(tokens, parents, num_nodes, draw)
+    assert walked.output_tokens.tolist() == full.output_tokens.tolist()
+    assert walked.accepted_nodes.tolist() == full.accepted_nodes.tolist()
+    assert len(asked) == len(set(asked))
+    # a row is asked once at the root and once per accepted node
+    assert len(asked) == int((full.num_accepted + 1).sum())
 
 
 def test_bad_shapes_raise():
