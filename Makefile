@@ -73,7 +73,7 @@ bench:
 # replays them. Resumable at every stage. About 30 minutes of feature extraction and 65
 # of training on 2 cores.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
-REF_HEAD_STEPS := 700 1100 2000 3000
+REF_HEAD_STEPS := 700 1100 2000 3000 4000
 reference-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	mkdir -p $(REF_HEAD)
