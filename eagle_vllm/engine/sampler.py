@@ -225,13 +225,9 @@ class ExactRejectionSampler(RejectionSampler):
             logits = target_logits[row_index[req, nodes].to(target_logits.device)]
             keyed = {}
             if generators and row_positions is not None:
-                for k, (b, n) in enumerate(zip(req.tolist(), nodes.tolist())):
-                    g = generators.get(b)
-                    if g is not None:
-                        decides = int(row_positions[node_row_start[b] + n]) + 1
-                        keyed[k] = position_generator(
-                            g.initial_seed(), decides, DOMAIN_SAMPLER, g.device
-                        )
+                seeded = {k: generators[b] for k, b in enumerate(req.tolist()) if b in generators}
+                decides = row_positions[node_row_start[req] + nodes] + 1  # per draw
+                keyed = position_keyed_generators(seeded, decides)
             drawn, _ = self.sampler.topk_topp_sampler(logits, keyed, None, None)
             tokens[inner] = drawn.to("cpu", torch.int64).view(-1)
             return tokens
