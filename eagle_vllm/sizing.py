@@ -23,9 +23,10 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   and per power-of-two batch-size bucket (for batch sizes not seen yet, and for
   calibration profiles) as the median of the last few samples (robust to a stray
   slow step: a garbage collection, another tenant). An arm not yet measured in a
-  bucket is tried only if it could still win: its expected tokens over the largest
-  measured cost of any smaller arm (costs grow with nodes and passes) must beat the
-  best measured arm. So at high load, where one small tree already loses to no
+  bucket is tried only if it could still win: its expected tokens over a lower bound
+  of its cost (a smaller arm's measured cost, plus each extra node at half the
+  per-node slope measured at this batch size: costs grow with nodes and passes) must
+  beat the best measured arm. So at high load, where one small tree already loses to no
   drafts, the big trees are never tried. Every ``explore_every`` steps (doubling, up
   to 8x, while no drafts keeps winning: each exploration costs a drafting step) either the
   stalest arm that could still win (judged without its own, possibly stale, cost)
@@ -34,7 +35,9 @@ A step that drafts ``d`` passes and verifies a tree of ``m`` nodes (the root plu
   drafts while a tree wins (keeps its cost current), the sample joining the probe's
   two latest; so the table follows the machine and the workload. Explorations have a
   budget: each step earns 5% of the best arm's cost, and an arm is explored only if
-  its extra cost over the best arm (measured, or its lower bound) is covered.
+  its extra cost over the best arm (measured, or its lower bound; for a tree while no
+  drafts wins, plus what resuming drafting costs: the deferred draft KV it writes) is
+  covered.
 * Costs are kept per mode of the batch: no request samples, or some do (verification
   at T > 0 computes probabilities for every node). A cost not yet measured in a mode
   is the other mode's, scaled by how the two compare on the costs measured in both.
@@ -270,6 +273,7 @@ class TreeSizer:
         # requests at T=1: a 15-node tree at 896 ms a step against 65 ms for no drafts).
         self.explore_budget = explore_budget
         self._explore_credit = 0.0
+        self._credit_cap = math.inf  # the most credit that can build up (set per step)
         self.arms = candidate_sizes(depth, topk, max_nodes)
         self.acceptance_of = {c: AcceptanceStats(depth, max_nodes) for c in (GREEDY, SAMPLED)}
         self._sampled_share = 0.0  # of the batch chose() was last asked about
@@ -305,6 +309,14 @@ class TreeSizer:
         # cost windows an exploration renews: (mode, kind, bucket, size) -> old samples kept
         self._renew: dict[tuple[str, str, int, int], int] = {}
         self.pinned: tuple[int, int] | None = None  # set by the runner for benchmarks
+        # Steps where drafting resumed after no drafts, per (mode, bucket): the period less
+        # its drafting. Beyond a drafts-off step, such a step writes the draft KV deferred
+        # while drafts were off and pays vLLM's bookkeeping around the first drafts
+        # (SmolLM2 on CPU, 16 requests: 119 ms against 64 for a drafts-off step, 44 of it
+        # catch-up); an exploration of a tree while no drafts wins pays that too.
+        self._resume: dict[tuple[str, int], _Samples] = {}
+        self._node_slope = 0.0  # _verify_slope at the batch size chose() was last asked about
+        self._resume_extra = 0.0  # _resume_cost at that batch size
 
     @property
     def verify_cost(self) -> dict[tuple[int, int], _Samples]:
@@ -328,6 +340,24 @@ class TreeSizer:
     ) -> None:
         """A step's drafting; ``sampled``: some request in it sampled."""
         self._observe("draft", batch_size, passes, seconds, SAMPLED if sampled else GREEDY)
+
+    def observe_resume(self, batch_size: int, seconds: float, sampled: bool = False) -> None:
+        """A step that verified no drafts but drafted for the next (drafting resumes):
+        its period less its drafting. Charged to no arm, it prices explorations."""
+        key = (SAMPLED if sampled else GREEDY, batch_bucket(batch_size))
+        self._resume.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
+
+    def _resume_cost(self, batch_size: int) -> float:
+        """What resuming drafting costs beyond a drafts-off step at this batch size (0
+        until measured)."""
+        bucket = batch_bucket(batch_size)
+        samples = self._resume.get((self._mode, bucket)) or self._resume.get(
+            (_other(self._mode), bucket)
+        )
+        off = self._kind_cost(batch_size, "verify", 1)
+        if samples is None or off is None:
+            return 0.0
+        return max(samples.value - off, 0.0)
 
     def _observe(self, kind: str, batch_size: int, size: int, seconds: float, mode: str):
         bucket = batch_bucket(batch_size)
@@ -399,24 +429,28 @@ class TreeSizer:
         return value
 
     def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
-        """Seconds per step in the current batch's mode: the exact batch size's samples
+        """Seconds per step in the current batch's mode (verify plus draft; None if either
+        is unmeasured)."""
+        verify = self._kind_cost(batch_size, "verify", arm[1])
+        draft = self._kind_cost(batch_size, "draft", arm[0])
+        return None if verify is None or draft is None else verify + draft
+
+    def _kind_cost(self, batch_size: int, kind: str, size: int) -> float | None:
+        """One kind of cost in the current batch's mode: the exact batch size's samples
         where measured, else its bucket's (batch sizes not seen yet, and a calibration
         profile's buckets); else the other mode's, scaled by the modes' measured ratio."""
         bucket = batch_bucket(batch_size)
-        seconds = 0.0
-        for kind, size in (("verify", arm[1]), ("draft", arm[0])):
-            for mode in (self._mode, _other(self._mode)):
-                samples = self._exact[mode][kind].get((batch_size, size))
-                samples = samples or self._bucket_costs[mode][kind].get((bucket, size))
-                if samples is not None:
-                    break
-            else:
-                return None
-            value = self._scaled(samples, kind, bucket)
-            if mode != self._mode and (ratio := self._mode_ratio.get((self._mode, kind, bucket))):
-                value *= ratio.value
-            seconds += value
-        return seconds
+        for mode in (self._mode, _other(self._mode)):
+            samples = self._exact[mode][kind].get((batch_size, size))
+            samples = samples or self._bucket_costs[mode][kind].get((bucket, size))
+            if samples is not None:
+                break
+        else:
+            return None
+        value = self._scaled(samples, kind, bucket)
+        if mode != self._mode and (ratio := self._mode_ratio.get((self._mode, kind, bucket))):
+            value *= ratio.value
+        return value
 
     def throughput(self, batch_size: int, arm: tuple[int, int]) -> float | None:
         """Predicted tokens per second of one request at this batch size (None: unmeasured)."""
@@ -440,8 +474,10 @@ class TreeSizer:
         drafting_now = self._last_best not in (None, OFF)
         base = costs.get(self._last_best) or costs.get(OFF)  # what a step costs now
         if base is not None:  # every step earns a share of its time for explorations
-            cap = self.explore_budget * self.max_explore_every * base
-            self._explore_credit = min(self._explore_credit + self.explore_budget * base, cap)
+            self._credit_cap = self.explore_budget * self.max_explore_every * base
+            self._explore_credit = min(
+                self._explore_credit + self.explore_budget * base, self._credit_cap
+            )
         arm, self._repeat = self._repeat, None
         if arm is None:
             arm = self._unmeasured(costs, base)
@@ -477,7 +513,9 @@ class TreeSizer:
             # the stalest arm's window may describe another phase of the workload (a
             # warm-up, a burst of prefills): the fresh sample replaces it
             keep, price = 0, self._price(costs, arm, base)
-        elif (price := self._price(costs, probe_arm, base)) <= self._explore_credit:
+        elif (price := self._price(costs, probe_arm, base)) <= self._explore_credit or (
+            self._explore_credit >= self._credit_cap  # a probe dearer than the cap: its rate
+        ):  # is the budget's (the credit goes negative), so acceptance is never left stale
             # a probe's fresh sample joins its two latest (a median of three: one
             # sample is noise on this machine, nine follow a change too slowly)
             arm, keep = probe_arm, 2
@@ -499,15 +537,42 @@ class TreeSizer:
         return arm
 
     def _costs(self, batch_size: int) -> dict[tuple[int, int], float]:
-        """Seconds per step of every arm measured at this batch size, in arm order."""
+        """Seconds per step of every arm measured at this batch size, in arm order; also
+        sets the per-node slope ``_floor`` extrapolates with at this batch size."""
+        self._node_slope = self._verify_slope(batch_size)
+        self._resume_extra = self._resume_cost(batch_size)
         return {a: c for a in self.arms if (c := self._cost(batch_size, a)) is not None}
 
+    def _verify_slope(self, batch_size: int) -> float:
+        """A lower bound of what one more tree node adds to a step at this batch size:
+        half the chord slope of the verify costs measured here (between the smallest and
+        largest tree measured; from no drafts if only one tree is). Verifying is
+        memory-bound for few tokens and compute-bound beyond, so the marginal cost of a
+        node only grows with the tree, and the chord under-estimates what lies beyond the
+        largest measured tree; the half absorbs noise and the fixed cost drafting adds at
+        two nodes. ``E(d, m) <= 1 + d`` caps what a bigger tree can give, but without this
+        its cost was bounded by a much smaller tree's (SmolLM2 on CPU, 64 requests: a
+        16-node tree, 1024 tokens a step, "could still win" next to a 4-node one and was
+        explored at 3x a plain step's cost)."""
+        measured = [
+            (m, c)
+            for m in sorted({a[1] for a in self.arms})
+            if (c := self._kind_cost(batch_size, "verify", m)) is not None
+        ]
+        trees = [(m, c) for m, c in measured if m >= 2]
+        span = trees if len(trees) >= 2 else measured
+        if len(span) < 2:
+            return 0.0
+        (m_lo, c_lo), (m_hi, c_hi) = span[0], span[-1]
+        return 0.5 * max(c_hi - c_lo, 0.0) / (m_hi - m_lo)
+
     def _floor(self, costs: dict, arm: tuple[int, int], own: bool = True) -> float:
-        """The largest cost measured for an arm with at most as many nodes and passes
-        (a lower bound of the arm's own: costs grow with nodes and passes)."""
+        """A lower bound of an arm's cost: for every measured arm with at most as many
+        nodes and passes, its cost plus the extra nodes at ``_node_slope`` each (costs
+        grow with nodes and passes); the largest of these."""
         return max(
             (
-                c
+                c + self._node_slope * (arm[1] - other[1])
                 for other, c in costs.items()
                 if other[0] <= arm[0] and other[1] <= arm[1] and (own or other != arm)
             ),
@@ -523,9 +588,15 @@ class TreeSizer:
 
     def _price(self, costs: dict, arm: tuple[int, int], base: float | None) -> float:
         """Seconds an exploration of ``arm`` costs over the best arm: its floor (its cost
-        if measured) less ``base``. Nothing before anything is measured: every arm's
-        first sample is exploration."""
-        return 0.0 if base is None else max(self._floor(costs, arm) - base, 0.0)
+        if measured) less ``base``, plus, for a tree while no drafts is in use, what
+        resuming drafting costs beyond that (``observe_resume``). Nothing before anything
+        is measured: every arm's first sample is exploration."""
+        if base is None:
+            return 0.0
+        price = max(self._floor(costs, arm) - base, 0.0)
+        if arm[0] > 0 and self._last_best in (None, OFF):
+            price += self._resume_extra
+        return price
 
     def _best_measured(self, costs: dict) -> float:
         rates = [self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()]

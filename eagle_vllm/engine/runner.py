@@ -199,6 +199,9 @@ class EagleRunnerMixin:
             # drafts). Charged to no drafts, a probe of it read 15% dear and kept one
             # draft per request on where it lost to none. Its cost is measured in a
             # drafts-off step that follows another (TreeSizer probes no drafts twice).
+            # What it costs beyond one (with the deferred draft KV it writes) prices the
+            # sizer's explorations of trees while no drafts wins.
+            sizer.observe_resume(step["batch"], period - step["draft"], sampled)
             return
         # deferred draft KV written in this step belongs to earlier steps, not this tree
         rest = period - step["draft"] - step.get("catch_up", 0.0)

@@ -426,6 +426,10 @@ def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
     steady_off = {**resume, "passes": 0, "draft": 0.0003, "catch_up": 0.0}
     _charge(sizer, steady_off, period=0.0473)
     assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.047)
+    # what resuming cost beyond a drafts-off step (its catch-up included) prices the
+    # explorations of trees while no drafts wins
+    sizer.choose(4)
+    assert sizer._resume_cost(4) == pytest.approx(0.070 - 0.006 - 0.047)
 
 
 def test_a_loads_tail_at_a_smaller_batch_does_not_decide_for_the_full_batch():
@@ -649,10 +653,15 @@ def test_a_profile_carries_the_sampled_mode_s_costs():
             assert fresh._cost(1, a) < sampled_costs[a]
 
 
-def test_explorations_spend_at_most_their_budget():
+def test_explorations_spend_at_most_their_budget(monkeypatch):
     """An arm that the optimistic bound keeps calling a possible winner but that costs
     five steps (a memory cliff at a large tree): re-measuring it at every other
-    exploration cost 15% of the time. Explorations may spend 5% beyond the best arm."""
+    exploration cost 15% of the time. Explorations may spend 5% beyond the best arm.
+
+    The bound's per-node slope (``_verify_slope``) now sees this cliff once it is
+    measured; held at zero here, the budget alone must hold the line (a cliff it cannot
+    see: a tree past what was ever measured, a cost that jumps later)."""
+    monkeypatch.setattr(TreeSizer, "_verify_slope", lambda self, batch_size: 0.0)
 
     class Cliff(SimulatedEngine):
         def verify_seconds(self, batch, nodes, sampled=False):
@@ -675,3 +684,41 @@ def test_explorations_spend_at_most_their_budget():
 
     assert overhead(float("inf")) > 0.10  # without a budget (what the bound alone allows)
     assert overhead(0.05) < 0.06
+
+
+def test_big_trees_are_not_explored_where_every_node_costs_a_batch_of_tokens():
+    """At 64 requests each tree node adds 64 tokens to the target's forward (compute-bound
+    on CPU). The optimistic bound caps a tree's gain at ``1 + d`` tokens; its cost must be
+    bounded by more than a small tree's, or a 16-node tree (1024 tokens a step) "could
+    still win" and is explored at several plain steps' cost."""
+    engine = SimulatedEngine(rate=0.45, draft_pass=0.05, per_token=0.01)
+    sizer = TreeSizer(depth=2, topk=4, max_nodes=16, explore_every=32)
+    assert best_arm(engine, 64, sizer.arms) == OFF
+    run(sizer, engine, batch=64, steps=1500)
+    arms = [tuple(h[1:]) for h in sizer.history]
+    assert max(m for _, m in arms) <= 4, sorted(set(arms))
+    seconds = sum(engine.verify_seconds(64, m) + engine.draft_seconds(64, d) for d, m in arms)
+    ideal = len(arms) * (engine.verify_seconds(64, 1) + engine.draft_seconds(64, 0))
+    assert seconds / ideal - 1.0 < 0.03
+
+
+def test_exploring_a_tree_while_no_drafts_wins_is_priced_with_what_resuming_costs():
+    """The step where drafting resumes writes the draft KV deferred while drafts were off
+    (tens of ms at 16 requests): an exploration from no drafts pays it, so its price
+    includes it, and the budget allows fewer of them."""
+    engine = SimulatedEngine(rate=0.4, draft_pass=0.02, per_token=0.03)
+    assert best_arm(engine, 16, candidate_sizes(2, 1, 3)) == OFF
+
+    def explorations(resume_seconds: float) -> int:
+        sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=4)
+        run(sizer, engine, batch=16, steps=50)
+        sizer.observe_resume(16, engine.verify_seconds(16, 1) + resume_seconds)
+        run(sizer, engine, batch=16, steps=2000, seed=1)
+        late = [tuple(h[1:]) for h in sizer.history[-2000:]]
+        return sum(a != OFF for a in late)
+
+    free, dear = explorations(0.0), explorations(6.0)
+    # at most the budget: 5% of a step's time each step, about 6.5 steps per exploration
+    assert dear <= 2000 * 0.05 * 1.05 / 6.5 + 2 and dear < free / 2, (free, dear)
+    # a probe dearer than the budget can ever save up for still runs, at the budget's rate
+    assert 0 < explorations(1000.0) <= 2, explorations(1000.0)
