@@ -7,6 +7,7 @@ processing, the exact accept/reject walk) on chains of 1-4 nodes per request, at
 vanilla pays). Only the sampling work: the target forward is not in these figures.
 
     .venv/bin/python benchmarks/verify_cost.py [--vocab 49152] [--threads 1]
+    .venv/bin/python benchmarks/verify_cost.py --list-walk-max-nodes 0   # tensor walk only
 
 Prints a table of median milliseconds per call over ``--iters`` calls.
 """
@@ -85,8 +86,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-drafts", type=int, default=3)
+    parser.add_argument("--list-walk-max-nodes", type=int, default=None,
+                        help="greedy batches of at most this many nodes are walked over "
+                        "Python lists (default: engine/sampler.py's; 0: always the tensor "
+                        "walk, for an A/B)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.list_walk_max_nodes is not None:
+        from eagle_vllm.engine import sampler as sampler_module
+
+        sampler_module.LIST_WALK_MAX_NODES = args.list_walk_max_nodes
 
     from vllm.v1.sample.sampler import Sampler
 

@@ -11,7 +11,12 @@ Rules (see ``docs/lossless-verification.md``):
   with ``replacement=True``, sequentially without replacement with ``False``).
 """
 
-from eagle_vllm.verify.greedy import VerifyResult, greedy_verify, greedy_verify_choices
+from eagle_vllm.verify.greedy import (
+    VerifyResult,
+    greedy_verify,
+    greedy_verify_choices,
+    greedy_walk_lists,
+)
 from eagle_vllm.verify.rejection import (
     chain_parents,
     deterministic_tree_verify,
@@ -29,6 +34,7 @@ __all__ = [
     "draw_uniforms",
     "greedy_verify",
     "greedy_verify_choices",
+    "greedy_walk_lists",
     "sample_from_probs",
     "sampled_chain_verify",
     "sampled_tree_verify",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VerifyResult", "greedy_verify", "greedy_verify_choices"]
+__all__ = ["VerifyResult", "greedy_verify", "greedy_verify_choices", "greedy_walk_lists"]
 
 
 @dataclass
@@ -195,3 +195,33 @@ def greedy_verify_choices(
         return choice.gather(1, cur.unsqueeze(1)).squeeze(1)
 
     return _walk_tree(tokens, parents, num_nodes, choose)
+
+
+def greedy_walk_lists(
+    tokens: list[list[int]],
+    parents: list[list[int]],
+    num_nodes: list[int],
+    choice: list[list[int]],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`greedy_verify_choices` over Python lists, one tree at a time: per tree, the
+    accepted nodes (root excluded) and the output tokens (the accepted nodes' tokens,
+    then the target's choice where the walk stopped).
+
+    For the few nodes of a step at small batch sizes: the torch walk runs about forty
+    tensor ops for a 4-node tree whatever its size (0.3-0.5 ms on a CPU, per step), this
+    a few microseconds. Same rule: at node ``u`` the walk moves to the first child of
+    ``u`` (lowest index) whose token is ``choice[u]``, else stops."""
+    paths, outputs = [], []
+    for toks, par, n, ch in zip(tokens, parents, num_nodes, choice):
+        path, out, cur = [], [], 0
+        for _ in range(n):  # a path holds at most n - 1 drafts
+            y = ch[cur]
+            out.append(y)
+            nxt = next((j for j in range(1, n) if par[j] == cur and toks[j] == y), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        paths.append(path)
+        outputs.append(out)
+    return paths, outputs

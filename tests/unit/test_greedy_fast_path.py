@@ -79,11 +79,15 @@ def _random_trees(gen, counts):
     return parents
 
 
+@pytest.mark.parametrize("walk", ["lists", "tensors"])
 @pytest.mark.parametrize("trees", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_fast_path_outputs_what_the_full_path_does(monkeypatch, trees, seed):
+def test_the_fast_path_outputs_what_the_full_path_does(monkeypatch, walk, trees, seed):
+    # few nodes are walked over Python lists, more by the tensor walk
+    limit = 1_000 if walk == "lists" else 0
+    monkeypatch.setattr(sampler_module, "LIST_WALK_MAX_NODES", limit)
     gen = torch.Generator().manual_seed(seed)
-    counts = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in range(4)]
+    counts = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in range(4 + 4 * seed)]
     counts[0] = max(counts[0], 1)
     # drafts from a small alphabet, so that some match the target's argmax, and logits
     # with ties (integer-valued) so tie-breaking is exercised

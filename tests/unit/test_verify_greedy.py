@@ -11,6 +11,7 @@ from eagle_vllm.verify import (
     VerifyResult,
     greedy_verify,
     greedy_verify_choices,
+    greedy_walk_lists,
     tree_verify_with_draws,
 )
 
@@ -239,6 +240,27 @@ def test_choices_alone_give_the_same_walk():
     assert full.num_accepted.max() >= 2
     with pytest.raises(ValueError, match="choice must be"):
         greedy_verify_choices(tokens, parents, num_nodes, logits.argmax(-1)[:, :4])
+
+
+@pytest.mark.parametrize("garbage", [False, True])
+def test_the_list_walk_is_the_tensor_walk(garbage):
+    """Small batches are walked over Python lists (engine/sampler.py); it must give the
+    tensor walk's nodes and tokens on every tree, duplicate siblings and padding included."""
+    gen = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    N = 10
+    trees = [random_tree(rng, rng.randint(1, N), 3, rng.choice([1, 2, None])) for _ in range(300)]
+    tokens, parents, num_nodes, logits = pad_batch(trees, N, 3, gen, garbage)
+    choice = logits.argmax(-1)
+    tensor = greedy_verify_choices(tokens, parents, num_nodes, choice)
+    paths, outputs = greedy_walk_lists(
+        tokens.tolist(), parents.tolist(), num_nodes.tolist(), choice.tolist()
+    )
+    assert tensor.num_accepted.max() >= 3
+    for b in range(len(trees)):
+        n = int(tensor.num_accepted[b])
+        assert paths[b] == tensor.accepted_nodes[b, :n].tolist()
+        assert outputs[b] == tensor.output_tokens[b, : n + 1].tolist()
 
 
 def test_callers_draws_walk_the_same_path_visiting_only_walking_rows():
