@@ -60,7 +60,7 @@ bench:
 		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/smollm2-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 	$(PY) benchmarks/concurrency.py --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
-		--max-tokens 64 --reps 2 --out benchmarks/results/concurrency-cpu \
+		--max-tokens 64 --reps 4 --out benchmarks/results/concurrency-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
