@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/cprofile_generate.py --system off --concurrency 1
     .venv/bin/python benchmarks/cprofile_generate.py --system vanilla-timed --concurrency 1
+    .venv/bin/python benchmarks/cprofile_generate.py --system tree-1-4 \
+        --callees 'runner.py:421(propose_draft_token_ids)' 'proposer.py:183(propose)'
 
 Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft``
 / ``tree-1-4`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one draft / one pass of
@@ -51,6 +53,19 @@ def landmarks(stats: pstats.Stats, steps: int) -> list[str]:
     return lines
 
 
+def callees(stats: pstats.Stats, pattern: str, steps: int, top: int = 15) -> list[str]:
+    """What the functions whose ``file:line(name)`` contains ``pattern`` spend their time
+    in: per callee, cumulative ms per step (e.g. ``proposer.py:183(propose)``)."""
+    rows: dict[str, float] = {}
+    for (filename, line, function), (*_, callers) in stats.stats.items():
+        for (c_file, c_line, c_func), timing in callers.items():
+            if pattern in f"{c_file}:{c_line}({c_func})":
+                name = f"{Path(filename).name}:{line}({function})"
+                rows[name] = rows.get(name, 0.0) + timing[3]  # cumulative seconds
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+    return [f"  {1000 * t / max(steps, 1):7.3f} ms/step  {name}" for name, t in ranked]
+
+
 def in_process_engine(system: str, target: str, auto_config: str, concurrency: int):
     """An fp32 eager engine in this process (the profiler and patches see its runner):
     ``vanilla-timed`` or ``configs/eagle2-auto.yaml`` pinned per ``PINS``."""
@@ -80,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--save", default=None, help="also write the raw profile here (pstats)")
+    p.add_argument("--callees", nargs="*", default=[],
+                   help="also break these functions down by callee, ms/step (substrings "
+                   "of file:line(name), e.g. 'proposer.py:183(propose)')")  # fmt: skip
     p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
     p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
     args = p.parse_args(argv)
@@ -111,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"system {args.system}, {args.concurrency} requests: {tokens} tokens in "
           f"{seconds:.3f} s under the profiler, {steps} steps")  # fmt: skip
     print("\n".join(landmarks(stats, steps)))
+    for pattern in args.callees:
+        print(f"callees of {pattern}:")
+        print("\n".join(callees(stats, pattern, steps)))
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(args.top)
     print(out.getvalue())
