@@ -208,9 +208,9 @@ def greedy_walk_lists(
     then the target's choice where the walk stopped).
 
     For the few nodes of a step at small batch sizes: the torch walk runs about forty
-    tensor ops for a 4-node tree whatever its size (0.3-0.5 ms on a CPU, per step), this
-    a few microseconds. Same rule: at node ``u`` the walk moves to the first child of
-    ``u`` (lowest index) whose token is ``choice[u]``, else stops."""
+    tensor ops however small the trees (0.3-0.5 ms a step on a CPU); this takes a few
+    microseconds. Same rule: at node ``u`` the walk moves to the first child of ``u``
+    (lowest index) whose token is ``choice[u]``, else stops."""
     paths, outputs = [], []
     for toks, par, n, ch in zip(tokens, parents, num_nodes, choice):
         path, out, cur = [], [], 0
