@@ -275,6 +275,8 @@ class TreeSizer:
         self._explore_credit = 0.0
         self._credit_cap = math.inf  # the most credit that can build up (set per step)
         self.arms = candidate_sizes(depth, topk, max_nodes)
+        self._tree_sizes = sorted({m for _, m in self.arms})
+        self._pass_counts = sorted({d for d, _ in self.arms})
         self.acceptance_of = {c: AcceptanceStats(depth, max_nodes) for c in (GREEDY, SAMPLED)}
         self._sampled_share = 0.0  # of the batch chose() was last asked about
         self._mode = GREEDY  # of the batch chose() was last asked about
@@ -347,14 +349,15 @@ class TreeSizer:
         key = (SAMPLED if sampled else GREEDY, batch_bucket(batch_size))
         self._resume.setdefault(key, _Samples(self.window)).add(seconds, self.steps)
 
-    def _resume_cost(self, batch_size: int) -> float:
+    def _resume_cost(self, batch_size: int, off: float | None = None) -> float:
         """What resuming drafting costs beyond a drafts-off step at this batch size (0
-        until measured)."""
+        until measured); ``off``: that step's cost, if known."""
         bucket = batch_bucket(batch_size)
         samples = self._resume.get((self._mode, bucket)) or self._resume.get(
             (_other(self._mode), bucket)
         )
-        off = self._kind_cost(batch_size, "verify", 1)
+        if off is None:
+            off = self._kind_cost(batch_size, "verify", 1)
         if samples is None or off is None:
             return 0.0
         return max(samples.value - off, 0.0)
@@ -431,9 +434,21 @@ class TreeSizer:
     def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
         """Seconds per step in the current batch's mode (verify plus draft; None if either
         is unmeasured)."""
-        verify = self._kind_cost(batch_size, "verify", arm[1])
-        draft = self._kind_cost(batch_size, "draft", arm[0])
-        return None if verify is None or draft is None else verify + draft
+        verify, draft = self._size_costs(batch_size)
+        if arm[1] not in verify or arm[0] not in draft:
+            return None
+        return verify[arm[1]] + draft[arm[0]]
+
+    def _size_costs(self, batch_size: int) -> tuple[dict[int, float], dict[int, float]]:
+        """Verify cost per tree size and draft cost per pass count measured at this batch
+        size, each made non-decreasing in the size: a bigger tree, or more passes, never
+        costs less. Each size is measured alone, at its own times, on a noisy machine;
+        taken as measured, a 6-node verify once read cheaper than a 4-node one (SmolLM2
+        on CPU, batch 1), and the sizer picked two passes of 6 nodes over one pass of 4
+        for a cost the 6-node tree could not have."""
+        verify = {m: self._kind_cost(batch_size, "verify", m) for m in self._tree_sizes}
+        draft = {d: self._kind_cost(batch_size, "draft", d) for d in self._pass_counts}
+        return _non_decreasing(verify), _non_decreasing(draft)
 
     def _kind_cost(self, batch_size: int, kind: str, size: int) -> float | None:
         """One kind of cost in the current batch's mode: the exact batch size's samples
@@ -471,6 +486,8 @@ class TreeSizer:
             self._seed(GREEDY)
         bucket = batch_bucket(batch_size)
         costs = self._costs(batch_size)  # once per step: this runs every step
+        rates = {a: self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()}
+        best = max(rates.values(), default=0.0)
         drafting_now = self._last_best not in (None, OFF)
         base = costs.get(self._last_best) or costs.get(OFF)  # what a step costs now
         if base is not None:  # every step earns a share of its time for explorations
@@ -479,14 +496,14 @@ class TreeSizer:
                 self._explore_credit + self.explore_budget * base, self._credit_cap
             )
         arm, self._repeat = self._repeat, None
-        if arm is None:
-            arm = self._unmeasured(costs, base)
+        if arm is None and len(costs) < len(self.arms):
+            arm = self._unmeasured(costs, base, best)
         if arm is None and self.steps - self._last_explore >= self._explore_interval:
-            arm = self._explore(bucket, costs, base, drafting_now)
+            arm = self._explore(bucket, costs, base, best, drafting_now)
         if arm is None:
 
             def score(a):
-                rate = self.expected_tokens(a) / max(costs[a], 1e-9)
+                rate = rates[a]
                 if a != OFF:  # to start drafting: +margin; to keep drafting: +margin/2
                     rate /= 1.0 + self.speculation_margin / (2 if drafting_now else 1)
                 return (rate, -a[1], -a[0])
@@ -496,7 +513,9 @@ class TreeSizer:
         del self.history[:-4096]
         return arm
 
-    def _explore(self, bucket: int, costs: dict, base: float | None, drafting_now: bool):
+    def _explore(
+        self, bucket: int, costs: dict, base: float | None, best: float, drafting_now: bool
+    ):
         """The arm of an exploration, or None (none due, or none affordable yet)."""
         # Alternate: the stalest arm that could still win, and a probe of the other
         # side: while no drafts wins, the smallest tree (keeps acceptance measured);
@@ -508,7 +527,7 @@ class TreeSizer:
         if not probe:
             # the arm in use is measured every step, the probe's at every other
             # exploration: the stalest of the others, if any could still win
-            arm = self._stalest(bucket, costs, base, exclude=(probe_arm, self._last_best))
+            arm = self._stalest(bucket, costs, base, best, (probe_arm, self._last_best))
         if arm is not None:
             # the stalest arm's window may describe another phase of the workload (a
             # warm-up, a burst of prefills): the fresh sample replaces it
@@ -538,12 +557,15 @@ class TreeSizer:
 
     def _costs(self, batch_size: int) -> dict[tuple[int, int], float]:
         """Seconds per step of every arm measured at this batch size, in arm order; also
-        sets the per-node slope ``_floor`` extrapolates with at this batch size."""
-        self._node_slope = self._verify_slope(batch_size)
-        self._resume_extra = self._resume_cost(batch_size)
-        return {a: c for a in self.arms if (c := self._cost(batch_size, a)) is not None}
+        sets the per-node slope ``_floor`` extrapolates with at this batch size. Each
+        distinct size's cost is looked up once: this runs every step, on the critical
+        path of batch 1."""
+        verify, draft = self._size_costs(batch_size)
+        self._node_slope = self._verify_slope(batch_size, verify)
+        self._resume_extra = self._resume_cost(batch_size, verify.get(1))
+        return {(d, m): verify[m] + draft[d] for d, m in self.arms if m in verify and d in draft}
 
-    def _verify_slope(self, batch_size: int) -> float:
+    def _verify_slope(self, batch_size: int, verify: dict[int, float] | None = None) -> float:
         """A lower bound of what one more tree node adds to a step at this batch size:
         half the chord slope of the verify costs measured here (between the smallest and
         largest tree measured; from no drafts if only one tree is). Verifying is
@@ -554,11 +576,9 @@ class TreeSizer:
         its cost was bounded by a much smaller tree's (SmolLM2 on CPU, 64 requests: a
         16-node tree, 1024 tokens a step, "could still win" next to a 4-node one and was
         explored at 3x a plain step's cost)."""
-        measured = [
-            (m, c)
-            for m in sorted({a[1] for a in self.arms})
-            if (c := self._kind_cost(batch_size, "verify", m)) is not None
-        ]
+        if verify is None:
+            verify, _ = self._size_costs(batch_size)
+        measured = sorted(verify.items())
         trees = [(m, c) for m, c in measured if m >= 2]
         span = trees if len(trees) >= 2 else measured
         if len(span) < 2:
@@ -598,14 +618,7 @@ class TreeSizer:
             price += self._resume_extra
         return price
 
-    def _best_measured(self, costs: dict) -> float:
-        rates = [self.expected_tokens(a) / max(c, 1e-9) for a, c in costs.items()]
-        return max(rates, default=0.0)
-
-    def _unmeasured(self, costs: dict, base: float | None) -> tuple[int, int] | None:
-        if len(costs) == len(self.arms):
-            return None
-        best = self._best_measured(costs)
+    def _unmeasured(self, costs: dict, base: float | None, best: float) -> tuple[int, int] | None:
         for arm in self.arms:  # smallest first: off, then growing trees
             if arm in costs or not self._could_win(costs, arm, best):
                 continue
@@ -615,9 +628,8 @@ class TreeSizer:
         return None
 
     def _stalest(
-        self, bucket: int, costs: dict, base: float | None, exclude=()
+        self, bucket: int, costs: dict, base: float | None, best: float, exclude=()
     ) -> tuple[int, int] | None:
-        best = self._best_measured(costs)
         candidates = [
             a
             for a in costs
@@ -716,6 +728,17 @@ class TreeSizer:
                 for d, m in self.arms
             }
         return out
+
+
+def _non_decreasing(costs: dict[int, float | None]) -> dict[int, float]:
+    """The measured costs (None: unmeasured, left out), each raised to the largest cost
+    of a smaller size."""
+    out: dict[int, float] = {}
+    floor = 0.0
+    for size in sorted(costs):
+        if (cost := costs[size]) is not None:
+            floor = out[size] = max(floor, cost)
+    return out
 
 
 def _other(mode: str) -> str:

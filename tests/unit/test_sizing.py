@@ -661,7 +661,7 @@ def test_explorations_spend_at_most_their_budget(monkeypatch):
     The bound's per-node slope (``_verify_slope``) now sees this cliff once it is
     measured; held at zero here, the budget alone must hold the line (a cliff it cannot
     see: a tree past what was ever measured, a cost that jumps later)."""
-    monkeypatch.setattr(TreeSizer, "_verify_slope", lambda self, batch_size: 0.0)
+    monkeypatch.setattr(TreeSizer, "_verify_slope", lambda self, *args: 0.0)
 
     class Cliff(SimulatedEngine):
         def verify_seconds(self, batch, nodes, sampled=False):
@@ -722,3 +722,30 @@ def test_exploring_a_tree_while_no_drafts_wins_is_priced_with_what_resuming_cost
     assert dear <= 2000 * 0.05 * 1.05 / 6.5 + 2 and dear < free / 2, (free, dear)
     # a probe dearer than the budget can ever save up for still runs, at the budget's rate
     assert 0 < explorations(1000.0) <= 2, explorations(1000.0)
+
+
+def test_a_bigger_tree_measured_cheaper_than_a_smaller_one_is_priced_as_the_smaller():
+    """Each tree size is measured alone, at its own times, on a noisy machine. A 6-node
+    verify read cheaper than a 4-node one (SmolLM2 on CPU, batch 1) and the sizer picked
+    two passes of 6 nodes for a cost no 6-node tree has; costs are made non-decreasing in
+    nodes (and in passes) before arms are compared."""
+    sizer = TreeSizer(depth=2, topk=4, max_nodes=6, explore_every=10**6)
+    assert {(1, 2), (1, 4), (2, 6)} <= set(sizer.arms)
+    verify = {1: 0.030, 2: 0.034, 3: 0.037, 4: 0.040, 5: 0.041, 6: 0.033}  # 6: a dip
+    draft = {0: 0.0, 1: 0.004, 2: 0.008}
+    for m, seconds in verify.items():
+        sizer.observe_verify(1, m, seconds)
+    for d, seconds in draft.items():
+        sizer.observe_draft(1, d, seconds)
+    rates = torch.zeros(3, 6, dtype=torch.float64)
+    rates[:, 0] = 1.0
+    rates[1, 1:] = torch.tensor([0.45, 0.10, 0.05, 0.01, 0.0])  # E(1, 4) = 1.60
+    rates[2, 1:] = torch.tensor([0.45, 0.10, 0.05, 0.04, 0.02])  # E(2, 6) = 1.66
+    sizer.acceptance.set_counts(rates * 1e6, torch.full_like(rates, 1e6))
+    # as measured, the dip made (2, 6) the fastest arm: 1.66 / 0.041 s
+    raw = {(d, m): sizer.expected_tokens((d, m)) / (verify[m] + draft[d]) for d, m in sizer.arms}
+    assert max(raw, key=raw.get) == (2, 6)
+    # 6 nodes cost at least what 5 cost (the largest smaller size)
+    assert sizer._cost(1, (2, 6)) == pytest.approx(verify[5] + draft[2])
+    assert sizer._cost(1, (1, 4)) == pytest.approx(verify[4] + draft[1])  # measured: kept
+    assert sizer.choose(1) == (1, 2)  # 1.45 / 0.038 s, the best arm at non-decreasing costs
