@@ -529,15 +529,15 @@ class EagleRunnerMixin:
         """Reorder each tree's rows to [root, accepted path..., the rest] and make positions
         linear, so the drafter's first pass sees the accepted tokens as a chain whose
         features are the target's features of exactly those nodes."""
-        path = self.rejection_sampler.last_accepted_nodes[tb.batch_rows]  # [R, D]
+        paths = self.rejection_sampler.last_accepted_nodes[tb.batch_rows].tolist()  # [R, D]
         width = tb.width
-        order = torch.arange(width)[None, :].repeat(tb.parents.shape[0], 1)
-        for r in range(order.shape[0]):
-            accepted = path[r][path[r] >= 0].tolist()
+        rows = []  # built as lists: one small tensor op per request cost more than all this
+        for path, num_nodes in zip(paths, tb.num_nodes.tolist()):
+            accepted = [j for j in path if j >= 0]
             taken = set(accepted)
-            rest = [j for j in range(1, int(tb.num_nodes[r])) if j not in taken]
-            new = [0, *accepted, *rest]
-            order[r, : len(new)] = torch.tensor(new)
+            new = [0, *accepted, *(j for j in range(1, num_nodes) if j not in taken)]
+            rows.append(new + list(range(len(new), width)))
+        order = torch.tensor(rows, dtype=torch.int64).view(len(rows), width)
         valid = tb.valid()
         src = (tb.root_index[:, None] + order)[valid]
         dst = tb.flat_rows()[valid]
