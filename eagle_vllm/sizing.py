@@ -143,8 +143,9 @@ class AcceptanceStats:
     depth: int
     max_nodes: int
     decay: float = 0.995
-    # prior: one pseudo-observation with this rate, never decayed, so a node unseen (or
-    # not seen for long) drifts back to worth trying
+    # prior: one pseudo-observation, never decayed, so a node unseen (or not seen for
+    # long) drifts back to worth trying: at this rate for the first draft, at the
+    # better-ranked node's rate for the others (rates())
     prior_rate: float = 0.5
     hits: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
@@ -205,19 +206,31 @@ class AcceptanceStats:
         self._expected = None
 
     def rates(self, d: int) -> torch.Tensor:
-        """Acceptance rate of the j-th node (index 0: the root) of trees cut at depth d.
+        """Acceptance rate of the j-th node (index 0: the root) of trees cut at depth d."""
+        return torch.tensor(self._all_rates()[d], dtype=torch.float64)
+
+    def _all_rates(self) -> list[list[float]]:
+        """Per cut depth, each node's hits and trials plus one pseudo-trial of the prior:
+        ``prior_rate`` for the first draft, the better-ranked node's rate for the others;
+        and never above that rate.
 
         Never rising with rank: trees are ranked by draft score, so a node is accepted
-        at most as often as a better-ranked one. Without this, nodes seldom verified sat
-        near the prior (0.5 each) and promised more than any tree can give (SmolLM2 on
-        CPU: 3.7 tokens per step for 2 passes), so big trees kept being tried at loads
-        where one costs five plain steps."""
-        return self._all_rates()[d]
-
-    def _all_rates(self) -> torch.Tensor:
-        raw = (self.hits + self.prior_rate) / (self.trials + 1.0)
-        out = raw.clone()
-        out[:, 1:] = torch.cummin(raw[:, 1:], dim=1).values
+        at most as often as a better-ranked one. Without the cap, nodes seldom verified
+        sat near the prior (0.5 each) and promised more than any tree can give (SmolLM2
+        on CPU: 3.7 tokens per step for 2 passes), so big trees kept being tried at loads
+        where one costs five plain steps. With a flat prior under the cap, they still
+        sat at the cap: a calibration profile, its counts scaled to 64 trials, left ranks
+        3-15 with under 4 trials each, and their rate at 0.17 where ranks 3-5 measured
+        0.03-0.08 and ranks 6-15 zero; a 16-node tree looked worth 3.8 tokens a step."""
+        out = []
+        for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+            row = [(hits[0] + self.prior_rate) / (trials[0] + 1.0)]
+            prior = self.prior_rate
+            for j in range(1, len(hits)):
+                rate = (hits[j] + prior) / (trials[j] + 1.0)
+                prior = rate if j == 1 else min(rate, prior)
+                row.append(prior)
+            out.append(row)
         return out
 
     def expected_tokens(self, d: int, m: int) -> float:
@@ -227,10 +240,13 @@ class AcceptanceStats:
             return 1.0
         if self._expected is None:
             # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d
-            table = torch.ones(self.depth + 1, self.max_nodes + 1, dtype=torch.float64)
-            table[:, 2:] += torch.cumsum(self._all_rates()[:, 1:], dim=1)
-            cap = 1.0 + torch.arange(self.depth + 1, dtype=torch.float64)[:, None]
-            self._expected = torch.minimum(table, cap).tolist()
+            self._expected = []
+            for cut, rates in enumerate(self._all_rates()):
+                row, total = [1.0, 1.0], 1.0
+                for rate in rates[1:]:
+                    total += rate
+                    row.append(min(total, 1.0 + cut))
+                self._expected.append(row)
         return self._expected[d][min(m, self.max_nodes)]
 
 

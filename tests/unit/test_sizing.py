@@ -31,9 +31,13 @@ def test_acceptance_rates_per_depth_limit():
     accepted = torch.tensor([[False, True, True, False]])
     for _ in range(3):
         stats.update(depths, valid, accepted)
-    # depth <= 2 keeps a, b, c in rank order; depth <= 1 keeps a, c
-    assert torch.allclose(stats.rates(2)[1:], torch.tensor([0.75, 0.75, 0.0], dtype=torch.float64))
-    assert torch.allclose(stats.rates(1)[1:3], torch.tensor([0.75, 0.0], dtype=torch.float64))
+    # depth <= 2 keeps a, b, c in rank order; depth <= 1 keeps a, c. Each rate has one
+    # pseudo-trial of its prior: 0 for the first draft, the better-ranked node's rate for
+    # the others (c: (0 + 0.75) / (3 + 1)); b's (3 + 0.75) / 4 is capped at a's.
+    assert torch.allclose(
+        stats.rates(2)[1:], torch.tensor([0.75, 0.75, 0.1875], dtype=torch.float64)
+    )
+    assert torch.allclose(stats.rates(1)[1:3], torch.tensor([0.75, 0.1875], dtype=torch.float64))
     assert abs(stats.expected_tokens(2, 3) - 2.5) < 1e-9
     assert stats.expected_tokens(0, 4) == 1.0
 
@@ -116,6 +120,11 @@ class SimulatedEngine:
     def __init__(self, rate: float, draft_pass: float, per_token: float, base: float = 1.0):
         self.rate, self.draft_pass, self.per_token, self.base = rate, draft_pass, per_token, base
         self.sampled_per_token = per_token  # a verified token's cost when some request samples
+        # acceptance drawn from a low-discrepancy sequence instead of at random: any
+        # window of steps accepts ``rate`` of its nodes, for tests of thresholds finer
+        # than the sampling noise of a window of trials
+        self.stratified = False
+        self._draws = 0
 
     def verify_seconds(self, batch: int, nodes: int, sampled: bool = False) -> float:
         per_token = self.sampled_per_token if sampled else self.per_token
@@ -126,7 +135,13 @@ class SimulatedEngine:
 
     def accepted(self, batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
         """A chain-shaped tree: node i is accepted if all its ancestors are, w.p. rate each."""
-        ok = torch.rand(batch, nodes, generator=gen) < self.rate
+        if self.stratified:  # Weyl sequences, one irrational step per node
+            index = torch.arange(self._draws, self._draws + batch, dtype=torch.float64)
+            self._draws += batch
+            steps = torch.tensor([2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0][:nodes]).sqrt()
+            ok = torch.frac(index[:, None] * steps.to(torch.float64)[None, :]) < self.rate
+        else:
+            ok = torch.rand(batch, nodes, generator=gen) < self.rate
         ok[:, 0] = True
         return torch.cumprod(ok.to(torch.int64), dim=1).bool()
 
@@ -327,10 +342,37 @@ def test_seldom_verified_nodes_promise_no_more_than_better_ranked_ones():
     assert stats.expected_tokens(1, 2) == pytest.approx(1 + 10.5 / 41)
 
 
+def test_nodes_with_few_trials_lean_on_the_better_ranked_node_not_a_flat_prior():
+    """A calibration profile's counts, scaled to 64 trials of the first draft, leave the
+    low ranks with a few trials each (SmolLM2 on CPU: ranks 3-15 under 4). Under a flat
+    prior of 0.5 they read 0.17 each and a 16-node tree of 3 passes promised 3.8 tokens
+    a step, where the measured rates give under 1.8. A rank never verified still starts
+    at its better-ranked neighbour's rate: worth trying when that one is good."""
+    measured = [0.0, 0.45, 0.15, 0.08, 0.04, 0.08] + [0.0] * 10  # rates by rank
+    trials = torch.tensor([0.0, 252, 76, 14, 10, 10] + [1.9] * 3 + [1.15] * 4 + [0.78] * 3)
+    hits = trials * torch.tensor(measured, dtype=torch.float64)
+    stats = AcceptanceStats(depth=3, max_nodes=16)
+    stats.set_rates_from(hits.repeat(4, 1), trials.repeat(4, 1), weight=64.0)
+    assert stats.trials[3, 3] < 4
+    assert stats.expected_tokens(3, 16) < 1.0 + sum(measured) + 0.2  # 1.8 measured
+    assert stats.rates(3)[1] == pytest.approx((0.45 * 64 + 0.5) / 65)
+
+    fresh = AcceptanceStats(depth=1, max_nodes=4, decay=1.0)
+    depths = torch.tensor([[0, 1]]).repeat(100, 1)
+    accepted = torch.ones(100, 2, dtype=torch.bool)
+    fresh.update(depths, torch.ones(100, 2, dtype=torch.bool), accepted)
+    # ranks 2-3 never verified: at rank 1's rate (100.5 / 101), not at 0.5
+    assert torch.allclose(fresh.rates(1)[1:], torch.full((3,), 100.5 / 101, dtype=torch.float64))
+
+
 def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
     """A tree must predict 5% more throughput than no drafts to start drafting and 2.5%
     more to keep drafting: a 2% edge does not start it, a 15% edge does, a 4% edge keeps
-    it going (no flipping inside the band), and drafts never accepted stop it."""
+    it going (no flipping inside the band), and drafts never accepted stop it.
+
+    Acceptance is stratified: at random, the rate a window of ~200 decayed trials
+    measures has a 2-3% spread, wider than the band's edges are from 4%, so whether a
+    4% edge kept drafting depended on the seed's path."""
 
     def gain(engine):  # one draft's predicted throughput over no drafts'
         return engine.tokens_per_second(1, (1, 2)) / engine.tokens_per_second(1, OFF)
@@ -339,6 +381,7 @@ def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
         return [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=steps, seed=seed)]
 
     engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.1)
+    engine.stratified = True
     sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
     # (of the last 50 steps; an exploration every 1000 steps may fall among them)
     assert arms_after(sizer, engine, 400, seed=0).count(OFF) >= 49
@@ -347,6 +390,7 @@ def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
     assert arms_after(sizer, engine, 600, seed=1).count(OFF) >= 49  # does not start
 
     engine = SimulatedEngine(rate=0.40, draft_pass=0.05, per_token=0.1)
+    engine.stratified = True
     assert gain(engine) > 1.15
     sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
     assert arms_after(sizer, engine, 400, seed=2).count(OFF) <= 1  # starts
@@ -682,7 +726,7 @@ def test_explorations_spend_at_most_their_budget(monkeypatch):
         ideal = len(late) * (engine.verify_seconds(1, best[1]) + engine.draft_seconds(1, best[0]))
         return seconds / ideal - 1.0
 
-    assert overhead(float("inf")) > 0.10  # without a budget (what the bound alone allows)
+    assert overhead(float("inf")) > 0.09  # without a budget (what the bound alone allows)
     assert overhead(0.05) < 0.06
 
 
