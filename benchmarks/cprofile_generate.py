@@ -6,8 +6,9 @@
         --callees 'runner.py:421(propose_draft_token_ids)' 'proposer.py:183(propose)'
 
 Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft``
-/ ``tree-1-4`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one draft / one pass of
-a 4-node tree), ``auto``. The engine runs
+/ ``tree-1-4`` / ``tree-2-6`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one
+draft / one pass of a 4-node tree / two passes of a 6-node tree), ``auto``. Drafting's
+own functions, e.g. ``--callees '(draft_tree)' '(_draft_logprobs)'``. The engine runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, the
 drafter and the model. After an untimed warm-up on the same prompts, one ``generate()``
 is profiled; prints the wall time, the per-step cost of a few landmarks (target
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "auto": None}
+PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "tree-2-6": "2,6", "auto": None}
 # (label, function name as cProfile reports it, file suffix)
 LANDMARKS = [
     ("target forward", "_model_forward", "eagle_vllm/engine/runner.py"),
