@@ -450,21 +450,27 @@ class TreeSizer:
     def _cost(self, batch_size: int, arm: tuple[int, int]) -> float | None:
         """Seconds per step in the current batch's mode (verify plus draft; None if either
         is unmeasured)."""
-        verify, draft = self._size_costs(batch_size)
-        if arm[1] not in verify or arm[0] not in draft:
-            return None
-        return verify[arm[1]] + draft[arm[0]]
+        return self._arm_costs(batch_size)[0].get(arm)
 
-    def _size_costs(self, batch_size: int) -> tuple[dict[int, float], dict[int, float]]:
-        """Verify cost per tree size and draft cost per pass count measured at this batch
-        size, each made non-decreasing in the size: a bigger tree, or more passes, never
-        costs less. Each size is measured alone, at its own times, on a noisy machine;
-        taken as measured, a 6-node verify once read cheaper than a 4-node one (SmolLM2
-        on CPU, batch 1), and the sizer picked two passes of 6 nodes over one pass of 4
-        for a cost the 6-node tree could not have."""
-        verify = {m: self._kind_cost(batch_size, "verify", m) for m in self._tree_sizes}
-        draft = {d: self._kind_cost(batch_size, "draft", d) for d in self._pass_counts}
-        return _non_decreasing(verify), _non_decreasing(draft)
+    def _arm_costs(self, batch_size: int) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+        """Seconds per step of every arm measured at this batch size, in arm order, and
+        the verify cost per tree size they were built from.
+
+        Each distinct size's cost is looked up once (this runs every step, on the
+        critical path of batch 1), and verify and draft costs are made non-decreasing in
+        the size: a bigger tree, or more passes, never costs less. Each size is measured
+        alone, at its own times, on a noisy machine; taken as measured, a 6-node verify
+        once read cheaper than a 4-node one (SmolLM2 on CPU, batch 1), and the sizer
+        picked two passes of 6 nodes over one pass of 4 for a cost the 6-node tree could
+        not have."""
+        verify = _non_decreasing(
+            {m: self._kind_cost(batch_size, "verify", m) for m in self._tree_sizes}
+        )
+        draft = _non_decreasing(
+            {d: self._kind_cost(batch_size, "draft", d) for d in self._pass_counts}
+        )
+        costs = {(d, m): verify[m] + draft[d] for d, m in self.arms if m in verify and d in draft}
+        return costs, verify
 
     def _kind_cost(self, batch_size: int, kind: str, size: int) -> float | None:
         """One kind of cost in the current batch's mode: the exact batch size's samples
@@ -572,18 +578,17 @@ class TreeSizer:
         return arm
 
     def _costs(self, batch_size: int) -> dict[tuple[int, int], float]:
-        """Seconds per step of every arm measured at this batch size, in arm order; also
-        sets the per-node slope ``_floor`` extrapolates with at this batch size. Each
-        distinct size's cost is looked up once: this runs every step, on the critical
-        path of batch 1."""
-        verify, draft = self._size_costs(batch_size)
-        self._node_slope = self._verify_slope(batch_size, verify)
+        """``_arm_costs``; also sets the per-node slope ``_floor`` extrapolates with, and
+        what resuming drafting costs, at this batch size."""
+        costs, verify = self._arm_costs(batch_size)
+        self._node_slope = self._verify_slope(verify)
         self._resume_extra = self._resume_cost(batch_size, verify.get(1))
-        return {(d, m): verify[m] + draft[d] for d, m in self.arms if m in verify and d in draft}
+        return costs
 
-    def _verify_slope(self, batch_size: int, verify: dict[int, float] | None = None) -> float:
-        """A lower bound of what one more tree node adds to a step at this batch size:
-        half the chord slope of the verify costs measured here (between the smallest and
+    def _verify_slope(self, verify: dict[int, float]) -> float:
+        """A lower bound of what one more tree node adds to a step at one batch size, from
+        its verify costs per tree size (``_arm_costs``): half the chord slope of those
+        costs (between the smallest and
         largest tree measured; from no drafts if only one tree is). Verifying is
         memory-bound for few tokens and compute-bound beyond, so the marginal cost of a
         node only grows with the tree, and the chord under-estimates what lies beyond the
@@ -592,8 +597,6 @@ class TreeSizer:
         its cost was bounded by a much smaller tree's (SmolLM2 on CPU, 64 requests: a
         16-node tree, 1024 tokens a step, "could still win" next to a 4-node one and was
         explored at 3x a plain step's cost)."""
-        if verify is None:
-            verify, _ = self._size_costs(batch_size)
         measured = sorted(verify.items())
         trees = [(m, c) for m, c in measured if m >= 2]
         span = trees if len(trees) >= 2 else measured
@@ -736,10 +739,11 @@ class TreeSizer:
         )
         out = {"arms": [list(a) for a in self.arms], "mode": self._mode, "buckets": {}}
         for b in buckets:
+            costs, _ = self._arm_costs(b)
             out["buckets"][b] = {
                 f"{d},{m}": {
                     "expected_tokens": round(self.expected_tokens((d, m)), 3),
-                    "seconds": None if (c := self._cost(b, (d, m))) is None else round(c, 5),
+                    "seconds": None if (c := costs.get((d, m))) is None else round(c, 5),
                 }
                 for d, m in self.arms
             }
