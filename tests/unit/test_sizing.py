@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_vllm.sizing import OFF, AcceptanceStats, TreeSizer, batch_bucket, candidate_sizes
+from eagle_vllm.sizing import (
+    GREEDY,
+    OFF,
+    AcceptanceStats,
+    TreeSizer,
+    batch_bucket,
+    candidate_sizes,
+)
 
 
 def test_candidate_sizes_cover_off_chain_and_full_tree():
@@ -73,11 +80,12 @@ def test_acceptance_update_counts_each_node_in_every_cut_tree(seed):
 
 def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
     """The runner's accounting of one finished step, with only the sizer it feeds."""
-    from types import SimpleNamespace
+    from eagle_vllm.engine.step import StepRecord
+    from eagle_vllm.engine.telemetry import charge_step
 
-    from eagle_vllm.engine.runner import EagleRunnerMixin
-
-    EagleRunnerMixin._observe_step_costs(SimpleNamespace(sizer=sizer), step, period)
+    names = {"draft": "draft_seconds", "catch_up": "catch_up_seconds"}
+    fields = {names.get(k, k): v for k, v in step.items()}
+    charge_step(sizer, StepRecord(started=0.0, draft_ran=True, **fields), period)
 
 
 def test_a_prefill_step_is_charged_to_no_arm():
@@ -165,7 +173,7 @@ def run(
     for _ in range(steps):
         cost = engine.verify_seconds(batch, last_nodes, sampled)
         sizer.observe_verify(batch, last_nodes, cost, sampled)
-        d, m = sizer.choose(batch, num_sampled=batch if sampled else 0)
+        d, m = sizer.decide(batch, num_sampled=batch if sampled else 0)
         sizer.observe_draft(batch, d, engine.draft_seconds(batch, d), sampled)
         if d:
             depths = torch.arange(m)[None, :].repeat(batch, 1)  # chain-shaped trees
@@ -298,13 +306,13 @@ def test_a_profile_lets_a_new_engine_start_without_exploring():
     fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
     fresh.load_profile(profile)
     for batch in (1, 16):
-        first = [fresh.choose(batch) for _ in range(5)]
+        first = [fresh.decide(batch) for _ in range(5)]
         assert len(set(first)) == 1, first  # no exploration
-        assert first[0] == calibrated.choose(batch)
-    assert fresh.choose(1) != OFF and fresh.choose(16) == OFF  # the simulated machine's best
+        assert first[0] == calibrated.choose(batch).arm
+    assert fresh.decide(1) != OFF and fresh.decide(16) == OFF  # the simulated machine's best
     _assert_same_rates(fresh.acceptance, calibrated.acceptance)
     # an uncalibrated bucket still explores, starting with no drafts
-    assert fresh.choose(64) == OFF
+    assert fresh.decide(64) == OFF
 
 
 def test_a_profile_for_another_tree_bound_or_malformed_is_refused():
@@ -421,7 +429,7 @@ def test_the_band_in_which_the_sizer_keeps_its_side(gain, drafting_before, draft
     )
     assert sizer.throughput(1, (1, 2)) / sizer.throughput(1, OFF) == pytest.approx(gain)
     sizer._last_best = (1, 2) if drafting_before else OFF
-    assert (sizer.choose(1) != OFF) == drafts
+    assert (sizer.choose(1).arm != OFF) == drafts
 
 
 def test_explorations_back_off_while_no_drafts_keeps_winning():
@@ -472,8 +480,8 @@ def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
     assert sizer.verify_cost[(4, 1)].value == pytest.approx(0.047)
     # what resuming cost beyond a drafts-off step (its catch-up included) prices the
     # explorations of trees while no drafts wins
-    sizer.choose(4)
-    assert sizer._resume_cost(4) == pytest.approx(0.070 - 0.006 - 0.047)
+    off = sizer.costs.kind_cost(4, "verify", 1, GREEDY)
+    assert sizer.costs.resume_cost(4, GREEDY, off) == pytest.approx(0.070 - 0.006 - 0.047)
 
 
 def test_a_loads_tail_at_a_smaller_batch_does_not_decide_for_the_full_batch():
@@ -535,8 +543,7 @@ def test_a_mixed_batch_expects_the_classes_weighted_by_their_share():
         (4, e_sampled),
         (1, 0.75 * e_greedy + 0.25 * e_sampled),
     ):
-        sizer.choose(4, num_sampled=num_sampled)
-        assert sizer.expected_tokens((1, 2)) == pytest.approx(want)
+        assert sizer.expected_tokens((1, 2), num_sampled / 4) == pytest.approx(want)
 
 
 def test_a_new_class_starts_from_the_others_rates_and_learns_its_own_fast():
@@ -547,14 +554,13 @@ def test_a_new_class_starts_from_the_others_rates_and_learns_its_own_fast():
     trials = torch.zeros(2, 2, dtype=torch.float64)
     hits[1, 1], trials[1, 1] = 350.0, 1000.0  # greedy: E(1, 2) = 1.35
     sizer.acceptance.set_counts(hits, trials)
-    sizer.choose(4, num_sampled=4)
-    assert sizer.expected_tokens((1, 2)) == pytest.approx(1.35, abs=0.02)  # prior: 1.5
+    assert sizer.expected_tokens((1, 2), 1.0) == pytest.approx(1.35, abs=0.02)  # prior: 1.5
     depths = torch.tensor([[0, 1]]).repeat(4, 1)
     valid = torch.ones(4, 2, dtype=torch.bool)
     accepted = torch.tensor([[True, True], [True, False], [True, False], [True, False]])
     for _ in range(6):  # a quarter of the drafts accepted
         sizer.observe_acceptance(depths, valid, accepted, torch.ones(4, dtype=torch.bool))
-    assert sizer.expected_tokens((1, 2)) < 1.29
+    assert sizer.expected_tokens((1, 2), 1.0) < 1.29
     assert sizer.acceptance.expected_tokens(1, 2) == pytest.approx(1.35, abs=1e-3)  # untouched
 
 
@@ -608,7 +614,7 @@ def _serve_one_draft_at_four(
     sizer.load_profile(profile)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        d, m = sizer.choose(4)
+        d, m = sizer.decide(4)
         sizer.observe_draft(4, d, draft[d])
         if d:
             accepted = torch.rand(4, 2, generator=gen) < 0.1
@@ -623,9 +629,9 @@ def _serve_one_draft_at_four(
 def test_live_acceptance_outvotes_a_profile_made_on_other_prompts(profile_trials, monkeypatch):
     """A profile calibrated on chat (561 drafts accepted half the time) served to code
     that accepts 10%: the sizer turns drafts off within a few steps at 4 requests. The
-    profile at full weight (1e9: the counts as they were loaded before) kept drafting for
-    over 30 steps, as HumanEval at batch 4 did in session 11 (0.88x vanilla)."""
-    import eagle_vllm.sizing as sizing
+    profile at full weight (1e9: every count of the profile) keeps drafting for over 30
+    steps; served that way, HumanEval at batch 4 ran at 0.88x vanilla."""
+    import eagle_vllm.sizing.policy as sizing
 
     if profile_trials is not None:
         monkeypatch.setattr(sizing, "PROFILE_TRIALS", profile_trials)
@@ -684,17 +690,16 @@ def test_a_profile_carries_the_sampled_mode_s_costs():
     profile = json.loads(json.dumps(sizer.export_profile()))
     fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
     fresh.load_profile(profile)
-    verify, draft = (sizer._bucket_costs["sampled"][kind] for kind in ("verify", "draft"))
+    verify, draft = (sizer.costs.bucket["sampled"][kind] for kind in ("verify", "draft"))
     measured = [(d, m) for d, m in sizer.arms if (1, m) in verify and (1, d) in draft]
     assert len(measured) >= 2  # no drafts and the tree in use, at least
-    fresh.choose(1, num_sampled=1)
-    sampled_costs = {a: fresh._cost(1, a) for a in measured}
+    sampled_costs = {a: fresh.cost(1, a, sampled_share=1.0) for a in measured}
     assert sampled_costs == pytest.approx({a: verify[(1, a[1])].value + draft[(1, a[0])].value
                                            for a in measured})  # fmt: skip
-    fresh.choose(1)  # a greedy batch: the greedy costs
+    # a greedy batch: the greedy costs
     for a in measured:
         if a != OFF:
-            assert fresh._cost(1, a) < sampled_costs[a]
+            assert fresh.cost(1, a) < sampled_costs[a]
 
 
 def test_explorations_spend_at_most_their_budget(monkeypatch):
@@ -705,7 +710,9 @@ def test_explorations_spend_at_most_their_budget(monkeypatch):
     The bound's per-node slope (``_verify_slope``) now sees this cliff once it is
     measured; held at zero here, the budget alone must hold the line (a cliff it cannot
     see: a tree past what was ever measured, a cost that jumps later)."""
-    monkeypatch.setattr(TreeSizer, "_verify_slope", lambda self, *args: 0.0)
+    import eagle_vllm.sizing.policy as policy
+
+    monkeypatch.setattr(policy, "verify_slope", lambda verify: 0.0)
 
     class Cliff(SimulatedEngine):
         def verify_seconds(self, batch, nodes, sampled=False):
@@ -790,6 +797,6 @@ def test_a_bigger_tree_measured_cheaper_than_a_smaller_one_is_priced_as_the_smal
     raw = {(d, m): sizer.expected_tokens((d, m)) / (verify[m] + draft[d]) for d, m in sizer.arms}
     assert max(raw, key=raw.get) == (2, 6)
     # 6 nodes cost at least what 5 cost (the largest smaller size)
-    assert sizer._cost(1, (2, 6)) == pytest.approx(verify[5] + draft[2])
-    assert sizer._cost(1, (1, 4)) == pytest.approx(verify[4] + draft[1])  # measured: kept
-    assert sizer.choose(1) == (1, 2)  # 1.45 / 0.038 s, the best arm at non-decreasing costs
+    assert sizer.cost(1, (2, 6)) == pytest.approx(verify[5] + draft[2])
+    assert sizer.cost(1, (1, 4)) == pytest.approx(verify[4] + draft[1])  # measured: kept
+    assert sizer.choose(1).arm == (1, 2)  # 1.45 / 0.038 s, the best arm at non-decreasing costs

@@ -1,0 +1,196 @@
+"""Acceptance statistics of rank-ordered draft trees, per class of request (pure torch).
+
+Trees come in rank order (every prefix is the best smaller tree, ``tree/builder.py``)
+and a node's acceptance depends only on its own path, so how often the j-th node of
+a tree cut at depth d is accepted is measured from every verified tree, for every
+depth limit at once. Acceptance does not depend on load, so it is shared by all
+batch sizes; it does depend on sampling, so greedy and sampled requests keep their
+own statistics and a batch's expected tokens weigh the two by their share of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Acceptance is kept per class of request: sampled requests accept fewer drafts than
+# greedy ones (SmolLM2 on HumanEval, one draft: about 1.26 tokens per step at T=1, 1.35
+# at T=0), and a batch may hold both.
+GREEDY, SAMPLED = "greedy", "sampled"
+CLASSES = (GREEDY, SAMPLED)
+# A class seen for the first time starts from the other class's rates, weighted as this
+# many verified drafts of its best node: its own first few steps outvote them.
+SEED_TRIALS = 8.0
+
+
+def other_class(cls: str) -> str:
+    return SAMPLED if cls == GREEDY else GREEDY
+
+
+@dataclass
+class AcceptanceStats:
+    """How often the j-th node of a rank-ordered tree, cut at depth d, is accepted."""
+
+    depth: int
+    max_nodes: int
+    decay: float = 0.995
+    # prior: one pseudo-observation, never decayed, so a node unseen (or not seen for
+    # long) drifts back to worth trying: at this rate for the first draft, at the
+    # better-ranked node's rate for the others (rates())
+    prior_rate: float = 0.5
+    hits: torch.Tensor = field(init=False)
+    trials: torch.Tensor = field(init=False)
+    # E(d, m) for every d and m, rebuilt once after the counts change (the sizer reads it
+    # for every arm, several times per step)
+    _expected: list[list[float]] | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.depth + 1, self.max_nodes)
+        self.set_counts(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape))
+
+    @property
+    def observed(self) -> bool:
+        return bool(self.trials.any())
+
+    def seed_from(self, other: AcceptanceStats, weight: float = SEED_TRIALS) -> None:
+        """Start from ``other``'s rates, worth at most ``weight`` trials of any node."""
+        self.set_rates_from(other.hits, other.trials, weight)
+
+    def set_rates_from(self, hits: torch.Tensor, trials: torch.Tensor, weight: float) -> None:
+        """Start from the rates of these counts, worth at most ``weight`` trials of any
+        node (the counts are scaled down together, so every rate is kept)."""
+        trials = trials.to(torch.float64)
+        scale = min(1.0, weight / max(float(trials.max()), 1e-9))
+        self.set_counts(hits.to(torch.float64) * scale, trials * scale)
+
+    def set_counts(self, hits: torch.Tensor, trials: torch.Tensor) -> None:
+        self.hits = hits.to(torch.float64)
+        self.trials = trials.to(torch.float64)
+        self._expected = None
+
+    def update(self, depths: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One verified step. ``[R, W]`` per request and node (node 0 = root):
+        node depths, which nodes were verified, which were accepted."""
+        if depths.numel() == 0:
+            return
+        depths, valid, accepted = depths.cpu(), valid.cpu(), accepted.cpu()
+        self.age()
+        drafted = valid.clone()
+        drafted[:, 0] = False  # the root is not a draft
+        # Trees cut at every depth d at once: keep[d - 1] holds the nodes at depth <= d,
+        # and a kept node counts as the j-th node of its cut tree (1-based: the root is
+        # node 0). One vectorised pass: this runs every step, on the critical path.
+        cuts = torch.arange(1, self.depth + 1)[:, None, None]
+        keep = drafted[None] & (depths[None] <= cuts)  # [depth, R, W]
+        j = torch.cumsum(keep.to(torch.int64), dim=2).clamp(max=self.max_nodes - 1)
+        index = (cuts * self.max_nodes + j)[keep]
+        self.trials.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+        hits = accepted[None].expand_as(keep)[keep].to(torch.float64)
+        self.hits.view(-1).index_add_(0, index, hits)
+        self._expected = None
+
+    def age(self) -> None:
+        """One step passes: older observations weigh less (a step without drafts
+        observes nothing else)."""
+        self.hits *= self.decay
+        self.trials *= self.decay
+        self._expected = None
+
+    def rates(self, d: int) -> torch.Tensor:
+        """Acceptance rate of the j-th node (index 0: the root) of trees cut at depth d."""
+        return torch.tensor(self._all_rates()[d], dtype=torch.float64)
+
+    def _all_rates(self) -> list[list[float]]:
+        """Per cut depth, each node's hits and trials plus one pseudo-trial of the prior:
+        ``prior_rate`` for the first draft, the better-ranked node's rate for the others;
+        and never above that rate.
+
+        Never rising with rank: trees are ranked by draft score, so a node is accepted
+        at most as often as a better-ranked one. Without the cap, nodes seldom verified
+        sit near the prior and promise more than any tree can give, so big trees are
+        tried at loads where one costs five plain steps. The prior follows rank for the
+        same reason: a calibration profile's counts, scaled to 64 trials, leave the
+        late ranks with a few trials each, and a flat prior there made a 16-node tree
+        look worth 3.8 tokens a step where its nodes measured almost nothing."""
+        out = []
+        for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+            row = [(hits[0] + self.prior_rate) / (trials[0] + 1.0)]
+            prior = self.prior_rate
+            for j in range(1, len(hits)):
+                rate = (hits[j] + prior) / (trials[j] + 1.0)
+                prior = rate if j == 1 else min(rate, prior)
+                row.append(prior)
+            out.append(row)
+        return out
+
+    def expected_tokens(self, d: int, m: int) -> float:
+        """Tokens a request gains per step with ``d`` passes and an ``m``-node tree: at most
+        ``1 + d`` (one accepted draft per pass, plus the target's own token)."""
+        if d == 0 or m <= 1:
+            return 1.0
+        if self._expected is None:
+            # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d
+            self._expected = []
+            for cut, rates in enumerate(self._all_rates()):
+                row, total = [1.0, 1.0], 1.0
+                for rate in rates[1:]:
+                    total += rate
+                    row.append(min(total, 1.0 + cut))
+                self._expected.append(row)
+        return self._expected[d][min(m, self.max_nodes)]
+
+
+class AcceptanceByClass:
+    """Greedy and sampled requests' ``AcceptanceStats``; a batch's expected tokens weigh
+    the two classes by their share of it."""
+
+    def __init__(self, depth: int, max_nodes: int):
+        self.of = {cls: AcceptanceStats(depth, max_nodes) for cls in CLASSES}
+
+    def _stats(self, cls: str) -> AcceptanceStats:
+        """A class never observed reads as the other's rates, weakly (``SEED_TRIALS``),
+        once the other is observed; it is seeded so when first observed."""
+        stats, other = self.of[cls], self.of[other_class(cls)]
+        if stats.observed or not other.observed:
+            return stats
+        seeded = AcceptanceStats(stats.depth, stats.max_nodes, stats.decay, stats.prior_rate)
+        seeded.seed_from(other)
+        return seeded
+
+    def expected_tokens(self, arm: tuple[int, int], sampled_share: float = 0.0) -> float:
+        """Tokens per request per step of a batch of which ``sampled_share`` samples: each
+        class's E(d, m), weighted by its share of the batch."""
+        greedy = self._stats(GREEDY).expected_tokens(*arm) if sampled_share < 1 else 0.0
+        if sampled_share <= 0:
+            return greedy
+        sampled = self._stats(SAMPLED).expected_tokens(*arm)
+        return (1.0 - sampled_share) * greedy + sampled_share * sampled
+
+    def observe(self, depths, valid, accepted, sampled=None) -> None:
+        """One verified step (``AcceptanceStats.update``); ``sampled``: ``[R]`` bool, which
+        requests sample (temperature > 0), None if none do."""
+        if sampled is None or not bool(torch.as_tensor(sampled).any()):
+            self._seed(GREEDY)
+            self.of[GREEDY].update(depths, valid, accepted)
+            return
+        sampled = torch.as_tensor(sampled, dtype=torch.bool).cpu()
+        parts = [
+            (cls, rows) for cls, rows in ((GREEDY, ~sampled), (SAMPLED, sampled)) if rows.any()
+        ]
+        for cls, _ in parts:  # both from the counts as they were before this step
+            self._seed(cls)
+        for cls, rows in parts:
+            self.of[cls].update(depths[rows], valid[rows], accepted[rows])
+
+    def age(self, sampled_share: float) -> None:
+        """A step without drafts: the classes in the batch age (nothing is observed)."""
+        for cls, share in ((GREEDY, 1.0 - sampled_share), (SAMPLED, sampled_share)):
+            if share > 0:
+                self.of[cls].age()
+
+    def _seed(self, cls: str) -> None:
+        """A class never observed starts from the other's rates (weakly), not the prior."""
+        stats, other = self.of[cls], self.of[other_class(cls)]
+        if not stats.observed and other.observed:
+            stats.seed_from(other)

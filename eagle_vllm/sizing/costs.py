@@ -1,0 +1,261 @@
+"""Measured step costs per batch size, tree size and draft passes (pure Python).
+
+A step that drafts ``d`` passes and verifies ``m`` tree nodes costs
+``verify(B, m) + draft(B, d)`` seconds at batch size ``B``:
+
+* ``verify(B, m)``: the whole step except drafting (target forward, verification, KV
+  compaction, vLLM's bookkeeping);
+* ``draft(B, d)``: the drafter's passes.
+
+Both are wall-clock measurements on the running hardware, kept per exact batch size and
+per power-of-two batch-size bucket (for batch sizes not seen yet, and for calibration
+profiles), as the median of the last few samples (robust to a stray slow step: a
+garbage collection, another tenant). They are kept per mode of the batch: ``greedy``
+when no request samples, ``sampled`` when any does (verification at T > 0 computes
+probabilities for every node). A cost not yet measured in a mode is the other mode's,
+scaled by how the two compare where both are measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from eagle_vllm.sizing.acceptance import GREEDY, SAMPLED
+
+# Costs are kept per mode of the batch: GREEDY when no request samples, SAMPLED when any
+# does. Verification at T > 0 computes probabilities over the vocabulary for every
+# node (SmolLM2 on CPU: the rejection sampler is 12-40% of a drafting step at T=1
+# against 2-5% at T=0), so a tree's cost measured on greedy batches undersells it on
+# sampled ones, and the reverse.
+MODES = (GREEDY, SAMPLED)
+KINDS = ("verify", "draft")
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket of a batch size (1, 2, 4, 8, ...)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
+
+
+def other_mode(mode: str) -> str:
+    return SAMPLED if mode == GREEDY else GREEDY
+
+
+class Samples:
+    """The last few wall-clock samples of one cost; its value is their median."""
+
+    def __init__(self, window: int):
+        self.samples: deque[float] = deque(maxlen=window)
+        self.last_step = -1
+        self._median: float | None = None  # read every step, changed once per step at most
+
+    def add(self, seconds: float, step: int) -> None:
+        self.samples.append(seconds)
+        self.last_step = step
+        self._median = None
+
+    def keep_last(self, n: int) -> None:
+        while len(self.samples) > n:
+            self.samples.popleft()
+        self._median = None
+
+    @property
+    def value(self) -> float:
+        if self._median is None:
+            self._median = statistics.median(self.samples)
+        return self._median
+
+
+class CostModel:
+    """Step costs as measured: per mode, kind, batch bucket (and exact batch size) and size
+    (tree nodes for ``verify``, draft passes for ``draft``)."""
+
+    def __init__(self, tree_sizes: list[int], pass_counts: list[int], window: int = 9):
+        self.tree_sizes, self.pass_counts, self.window = tree_sizes, pass_counts, window
+        # (mode, kind) -> (bucket, size) -> samples
+        self.bucket: dict[str, dict[str, dict[tuple[int, int], Samples]]] = {
+            mode: {kind: {} for kind in KINDS} for mode in MODES
+        }
+        # The same samples per exact batch size, preferred where measured: within a
+        # bucket a step's cost still varies with the batch (SmolLM2 on CPU, one draft
+        # per request: 59 ms at 3 requests, 75 ms at 4), and the steps of a load's tail
+        # (requests finishing) leave the bucket's window describing a smaller batch.
+        self.exact: dict[str, dict[str, dict[tuple[int, int], Samples]]] = {
+            mode: {kind: {} for kind in KINDS} for mode in MODES
+        }
+        # A cost not yet measured in the batch's mode is the other mode's, scaled by how
+        # the two modes' costs of this (kind, bucket) compare where both are measured.
+        self.mode_ratio: dict[tuple[str, str, int], Samples] = {}
+        # A calibration profile's costs, and how this engine's live samples compare with
+        # them per (kind, bucket): the machine drifts as a whole (SmolLM2 on CPU, a day
+        # after calibrating: 42 ms for a drafts-off step at 4 requests against the
+        # profile's 55). Costs only the profile has measured are scaled by that ratio, so
+        # the arm in use is not compared with a stale competitor.
+        self.profile_cost: dict[tuple[str, str, int, int], float] = {}
+        self.drift: dict[tuple[str, int], Samples] = {}
+        # Steps where drafting resumed after no drafts, per (mode, bucket): the period less
+        # its drafting. Beyond a drafts-off step, such a step writes the draft KV deferred
+        # while drafts were off and pays vLLM's bookkeeping around the first drafts
+        # (SmolLM2 on CPU, 16 requests: 119 ms against 64 for a drafts-off step, 44 of it
+        # catch-up); an exploration of a tree while no drafts wins pays that too.
+        self.resume: dict[tuple[str, int], Samples] = {}
+        # windows an exploration renews: (mode, kind, bucket, size) -> old samples kept
+        self.renew: dict[tuple[str, str, int, int], int] = {}
+
+    def observe(self, kind: str, batch_size: int, size: int, seconds: float, mode: str,
+                step: int) -> None:  # fmt: skip
+        bucket = batch_bucket(batch_size)
+        keep = self.renew.pop((mode, kind, bucket, size), None)
+        profiled = self.profile_cost.get((mode, kind, bucket, size))
+        if profiled is not None:
+            drift = self.drift.setdefault((kind, bucket), Samples(self.window))
+            drift.add(seconds / profiled, step)
+        other = self.bucket[other_mode(mode)][kind].get((bucket, size))
+        if other is not None:
+            ratio = self.mode_ratio.setdefault((mode, kind, bucket), Samples(self.window))
+            ratio.add(seconds / max(self.scaled(other, kind, bucket), 1e-12), step)
+        for windows, key in (
+            (self.bucket[mode][kind], (bucket, size)),
+            (self.exact[mode][kind], (batch_size, size)),
+        ):
+            samples = windows.setdefault(key, Samples(self.window))
+            if keep is not None:
+                samples.keep_last(keep)
+            samples.add(seconds, step)
+
+    def observe_resume(self, batch_size: int, seconds: float, mode: str, step: int) -> None:
+        key = (mode, batch_bucket(batch_size))
+        self.resume.setdefault(key, Samples(self.window)).add(seconds, step)
+
+    def scaled(self, samples: Samples, kind: str, bucket: int) -> float:
+        """A window's value; one holding only the profile's seed is scaled as the machine
+        drifted since calibrating."""
+        value = samples.value
+        if samples.last_step < 0 and (drift := self.drift.get((kind, bucket))):
+            value *= drift.value
+        return value
+
+    def kind_cost(self, batch_size: int, kind: str, size: int, mode: str) -> float | None:
+        """One kind of cost in ``mode``: the exact batch size's samples where measured,
+        else its bucket's (batch sizes not seen yet, and a calibration profile's
+        buckets); else the other mode's, scaled by the modes' measured ratio."""
+        bucket = batch_bucket(batch_size)
+        for found_in in (mode, other_mode(mode)):
+            samples = self.exact[found_in][kind].get((batch_size, size))
+            samples = samples or self.bucket[found_in][kind].get((bucket, size))
+            if samples is not None:
+                break
+        else:
+            return None
+        value = self.scaled(samples, kind, bucket)
+        if found_in != mode and (ratio := self.mode_ratio.get((mode, kind, bucket))):
+            value *= ratio.value
+        return value
+
+    def arm_costs(
+        self, batch_size: int, mode: str, arms: list[tuple[int, int]]
+    ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+        """Seconds per step of every arm measured at this batch size, in arm order, and
+        the verify cost per tree size they were built from.
+
+        Each distinct size's cost is looked up once (this runs every step, on the
+        critical path of batch 1), and verify and draft costs are made non-decreasing in
+        the size: a bigger tree, or more passes, never costs less. Each size is measured
+        alone, at its own times, on a noisy machine; taken as measured, a 6-node verify
+        can read cheaper than a 4-node one, and the sizer would pick two passes of 6
+        nodes over one pass of 4 for a cost the 6-node tree cannot have."""
+        verify = _non_decreasing(
+            {m: self.kind_cost(batch_size, "verify", m, mode) for m in self.tree_sizes}
+        )
+        draft = _non_decreasing(
+            {d: self.kind_cost(batch_size, "draft", d, mode) for d in self.pass_counts}
+        )
+        costs = {(d, m): verify[m] + draft[d] for d, m in arms if m in verify and d in draft}
+        return costs, verify
+
+    def resume_cost(self, batch_size: int, mode: str, off: float | None) -> float:
+        """What resuming drafting costs beyond a drafts-off step at this batch size (0
+        until measured); ``off``: that step's cost, if known."""
+        bucket = batch_bucket(batch_size)
+        samples = self.resume.get((mode, bucket)) or self.resume.get((other_mode(mode), bucket))
+        if samples is None or off is None:
+            return 0.0
+        return max(samples.value - off, 0.0)
+
+    def last_measured(self, mode: str, bucket: int, arm: tuple[int, int]) -> int:
+        """The step an arm was last measured at in this mode and bucket (-2: never)."""
+        tables = self.bucket[mode]
+        v = tables["verify"].get((bucket, arm[1]))
+        d = tables["draft"].get((bucket, arm[0]))
+        return min(v.last_step if v else -2, d.last_step if d else -2)
+
+    def buckets(self) -> list[int]:
+        return sorted({b for t in self.bucket.values() for w in t.values() for b, _ in w})
+
+    # -- calibration profiles ------------------------------------------------
+    def export(self) -> dict[str, dict[str, float]]:
+        """``{kind}_seconds[_sampled]`` tables (the sampled mode's only where measured)."""
+
+        def table(windows: dict) -> dict[str, float]:
+            return {f"{b},{n}": s.value for (b, n), s in sorted(windows.items()) if s.samples}
+
+        out = {}
+        for mode, suffix in ((GREEDY, ""), (SAMPLED, "_sampled")):
+            for kind in KINDS:
+                costs = table(self.bucket[mode][kind])
+                if costs or mode == GREEDY:
+                    out[f"{kind}_seconds{suffix}"] = costs
+        return out
+
+    def load(self, tables: dict[str, dict[str, float]]) -> None:
+        """Seed from ``export``'s tables: one sample per cost, older than any the engine
+        takes (so it is re-measured first, and outvoted by the engine's own samples)."""
+        for name, costs in tables.items():
+            kind = name.split("_")[0]
+            mode = SAMPLED if name.endswith("_sampled") else GREEDY
+            windows = self.bucket[mode][kind]
+            for key, seconds in costs.items():
+                bucket, size = (int(x) for x in key.split(","))
+                windows.setdefault((bucket, size), Samples(self.window)).add(float(seconds), -1)
+                self.profile_cost[(mode, kind, bucket, size)] = float(seconds)
+        for mode in MODES:  # how the profile's two modes compare, per (kind, bucket)
+            for kind in KINDS:
+                for (bucket, size), samples in self.bucket[mode][kind].items():
+                    theirs = self.bucket[other_mode(mode)][kind].get((bucket, size))
+                    if theirs is not None:
+                        ratio = self.mode_ratio.setdefault(
+                            (mode, kind, bucket), Samples(self.window)
+                        )
+                        ratio.add(samples.value / theirs.value, -1)
+
+
+def verify_slope(verify: dict[int, float]) -> float:
+    """A lower bound of what one more tree node adds to a step at one batch size, from
+    its verify costs per tree size (``CostModel.arm_costs``): half the chord slope of
+    those costs (between the smallest and largest tree measured; from no drafts if only
+    one tree is). Verifying is memory-bound for few tokens and compute-bound beyond, so
+    the marginal cost of a node only grows with the tree, and the chord under-estimates
+    what lies beyond the largest measured tree; the half absorbs noise and the fixed
+    cost drafting adds at two nodes. ``E(d, m) <= 1 + d`` caps what a bigger tree can
+    give, but without a slope its cost is bounded by a much smaller tree's, and at 64
+    requests a 16-node tree (1024 tokens a step) would look able to win next to a 4-node
+    one and be explored at 3x a plain step's cost."""
+    measured = sorted(verify.items())
+    trees = [(m, c) for m, c in measured if m >= 2]
+    span = trees if len(trees) >= 2 else measured
+    if len(span) < 2:
+        return 0.0
+    (m_lo, c_lo), (m_hi, c_hi) = span[0], span[-1]
+    return 0.5 * max(c_hi - c_lo, 0.0) / (m_hi - m_lo)
+
+
+def _non_decreasing(costs: dict[int, float | None]) -> dict[int, float]:
+    """The measured costs (None: unmeasured, left out), each raised to the largest cost
+    of a smaller size."""
+    out: dict[int, float] = {}
+    floor = 0.0
+    for size in sorted(costs):
+        if (cost := costs[size]) is not None:
+            floor = out[size] = max(floor, cost)
+    return out
