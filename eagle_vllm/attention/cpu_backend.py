@@ -9,15 +9,12 @@ by the stock kernel (skipped when every row is a tree row), and the tree rows' K
 are captured for KV compaction. The rows, the additive
 mask and the block ids are built once per step (``TreeBatch.attention_plan``);
 ``attention/reference.py`` is the same computation in its plainest form. It is installed by the
-plugin's worker with ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)``,
-so only eagle_vllm engines use it, and it behaves exactly like the stock
-backend whenever no tree is being verified.
+plugin's worker (``platform.CPUTreePlatform``), so only eagle_vllm engines use it. The
+step's ``TreeBatch`` arrives with the attention metadata vLLM passes every layer
+(``vllm_surface.attach_tree_batch``); without one the backend is the stock backend.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -25,29 +22,13 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from eagle_vllm.attention import cpu_tree_op
 from eagle_vllm.attention.paged_kv import check_cpu_isa, cpu_kv_views
-from eagle_vllm.attention.tree_batch import TreeBatch
-
-_STATE = threading.local()
-
-
-@contextlib.contextmanager
-def verifying_trees(batch: TreeBatch | None):
-    """Tree masks apply to attention calls made inside this context (the target forward)."""
-    _STATE.batch = batch
-    try:
-        yield
-    finally:
-        _STATE.batch = None
-
-
-def current_tree_batch() -> TreeBatch | None:
-    return getattr(_STATE, "batch", None)
+from eagle_vllm.vllm_surface import tree_batch_of
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        batch = current_tree_batch()
-        if batch is None or attn_metadata is None or batch.parents.shape[0] == 0:
+        batch = None if attn_metadata is None else tree_batch_of(attn_metadata)
+        if batch is None or batch.parents.shape[0] == 0:
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
             )
@@ -119,13 +100,3 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[CPUAttentionBackendImpl]:
         return TreeCPUAttentionImpl
-
-
-def install() -> None:
-    """Route vLLM's CPU_ATTN backend to the tree-capable subclass (this process only)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    register_backend(
-        AttentionBackendEnum.CPU_ATTN,
-        "eagle_vllm.attention.cpu_backend.TreeCPUAttentionBackend",
-    )

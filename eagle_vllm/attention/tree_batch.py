@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 
 from eagle_vllm.tree.layout import ancestor_mask_from_parents
+from eagle_vllm.verify import chain_parents
 
 
 @dataclass
@@ -98,6 +99,18 @@ class TreeBatch:
         moved = (accepted >= 0) & (accepted != depth_index)
         tree, i = moved.nonzero(as_tuple=True)
         return tree, accepted[tree, i], self.root_index[tree] + i + 1
+
+    def verification_parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] parents of every request of the batch for the verifier: this
+        batch's trees in their rows (nodes beyond a request's ``num_nodes`` cut), chains
+        in the others, -1 past each request's nodes."""
+        parents = chain_parents(num_nodes, width)
+        n = min(width, self.width)
+        tree_parents = self.parents[:, :n].clone()
+        tree_parents[tree_parents >= num_nodes[self.batch_rows][:, None]] = -1
+        parents[self.batch_rows, :n] = tree_parents
+        parents[torch.arange(width)[None, :] >= num_nodes[:, None]] = -1
+        return parents
 
     def ancestor_mask(self) -> torch.Tensor:
         """[R, N, N] True where node i may attend to node j (j is i or an ancestor).

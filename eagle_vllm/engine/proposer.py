@@ -1,87 +1,41 @@
 """The plugin's drafter: EAGLE feature-level drafting of a chain or an EAGLE-2 tree.
 
-One code path serves both methods; a chain is a tree with ``topk = 1``.
+One code path serves both methods; a chain is a tree with ``topk = 1``. ``propose``
+(called by vLLM's runner inside ``propose_draft_token_ids``, with the step bound by
+``drafting(step)``) reads top to bottom:
 
-1. **First pass** (vLLM attention, paged KV): the draft runs over the tokens
-   the target just verified, with features shifted by one, exactly like vLLM's
-   own EAGLE proposer. This writes the draft KV of the accepted prefix and
-   yields the root's draft feature; the root is the token the target just
-   sampled, so the first draft distribution comes from the target's true
+1. **First pass** (vLLM attention, paged KV): the draft runs over the tokens the
+   target just verified, with features shifted by one, exactly like vLLM's own EAGLE
+   proposer (``vllm_surface.first_pass_forward``). This writes the draft KV of the
+   accepted prefix and yields the root's draft feature; the root is the token the
+   target just sampled, so the first draft distribution comes from the target's true
    feature of the last accepted token.
-2. **Tree expansion** (``tree.builder``): depth by depth, the ``topk`` frontier
-   nodes of every request go through the draft's decoder layers in one batched
-   forward. Their attention sees the draft KV of the prefix (read from the
-   paged cache) plus their own tree ancestors, held in memory, so tree nodes
-   never write into the paged cache and cannot overwrite prefix KV.
-3. **Rerank** to ``total_tokens`` nodes; the flat node tokens (parents first)
-   are handed to vLLM's scheduler as this request's draft tokens.
-
-With ``total_tokens: auto`` the runner's ``TreeSizer`` (``sizing.py``) picks each
-step's number of passes and nodes, possibly none. In a plain decode step with none,
-the runner skips the drafter altogether and the first pass's inputs (the new
-token and the target's feature) are kept per request (``defer_first_pass``); the
-draft KV of those positions is written later in one batched forward
-(``catch_up``): before any first pass of that request, and when a request has
-``MAX_DEFERRED_TOKENS`` waiting. A request that finishes while drafts are off
-never pays for them.
-
-Touches vLLM 0.32 internals: ``EagleProposer`` first-pass helpers
-(``set_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
-``build_model_inputs_first_pass``), ``set_forward_context``, and the draft
-layers' ``self_attn.attn`` modules (temporarily swapped during expansion).
+2. **Tree expansion** (``tree.builder``, ``draft_tree``): depth by depth, the ``topk``
+   frontier nodes of every request go through the draft's decoder layers in one
+   batched forward. Their attention sees the draft KV of the prefix (read from the
+   paged cache) plus their own tree ancestors, held in memory, so tree nodes never
+   write into the paged cache and cannot overwrite prefix KV.
+3. **Rerank** to the step's planned number of nodes; the flat node tokens (parents
+   first) go to vLLM's scheduler as the request's draft tokens, and the trees to the
+   ``StepState`` (``drafted``), which the next step verifies.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from eagle_vllm.attention.paged_kv import check_cpu_isa, gather_cpu_kv
+from eagle_vllm import vllm_surface
+from eagle_vllm.attention.platform import TreePlatform
 from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
+from eagle_vllm.engine.step import DraftedTrees, StepState
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
-
-# Deferred positions a request may collect before they are written anyway. Large, so a
-# request that finishes while drafts are off (high load) usually never pays for them;
-# bounded, for memory (one feature per position) and because KV blocks filled meanwhile
-# may be shared by prefix caching, without their draft KV (drafts only: never outputs).
-MAX_DEFERRED_TOKENS = 128
-
-
-@dataclass
-class _DeferredFirstPass:
-    """First-pass inputs of skipped steps: the draft KV of position ``start + i`` needs
-    ``tokens[i]`` (the token at the next position) and ``features[i]`` (the target's
-    feature at this one)."""
-
-    start: int
-    tokens: list[int]
-    features: list[torch.Tensor]
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-
-@dataclass
-class DraftedTrees:
-    """What the last ``propose`` produced, for the verifier of the next step."""
-
-    req_ids: list[str]
-    tree: DraftTree
-    # draft_sample_method: sample. ``sampled[b]``: request b's drafts were sampled
-    # from ``draft_q[b, j]`` (node j's child distribution over ``q_token_ids``, or the
-    # full vocabulary when None); the verifier then uses q (sampled_chain_verify).
-    sampled: torch.Tensor | None = None
-    draft_q: torch.Tensor | None = None
-    q_token_ids: torch.Tensor | None = None
 
 
 class _TreeNodeAttention(nn.Module):
@@ -126,23 +80,17 @@ class _TreeNodeAttention(nn.Module):
 class EagleTreeProposer(EagleProposer):
     """vLLM's ``EagleProposer`` with the plugin's draft model and tree drafting."""
 
-    def __init__(self, vllm_config, device, runner, eagle_config: EagleSpecConfig):
+    def __init__(self, vllm_config, device, runner, eagle_config: EagleSpecConfig,
+                 platform: TreePlatform):  # fmt: skip
         super().__init__(vllm_config, device, runner)
         self.eagle_config = eagle_config
-        self.last_drafts: DraftedTrees | None = None
-        self._runner = runner
-        # (draft passes, tree nodes) of the last propose, for the runner's sizer
-        self.last_size: tuple[int, int] = (0, 1)
-        self._last_q_rows: list[torch.Tensor] = []
-        self._last_q_token_ids: torch.Tensor | None = None
+        self.platform = platform
         # Draws for sampled drafts. One generator, seeded alike on every rank and
         # consumed alike, so tensor-parallel ranks draft identical tokens.
-        self._draft_rng = torch.Generator(device=device).manual_seed(
+        self.draft_rng = torch.Generator(device=device).manual_seed(
             vllm_config.model_config.seed or 0
         )
-        self._deferred: dict[str, _DeferredFirstPass] = {}
-        self.max_deferred_tokens = MAX_DEFERRED_TOKENS
-        self.caught_up_positions = 0  # draft KV positions written by catch_up, in all
+        self._step: StepState | None = None
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -165,19 +113,17 @@ class EagleTreeProposer(EagleProposer):
             ids = load_draft_vocab(self.eagle_config.model)[: self.eagle_config.draft_vocab]
             self.model.use_draft_vocab(ids)
 
-    def drafted_trees(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """req_id -> (tokens, parents, depths) of the trees handed out by the last propose."""
-        last = self.last_drafts
-        if last is None:
-            return {}
-        tree = last.tree
-        return {
-            req_id: (tree.tokens[i], tree.parents[i], tree.depths[i])
-            for i, req_id in enumerate(last.req_ids)
-        }
-
-    def _draft_layers(self) -> list[nn.Module]:
+    def draft_layers(self) -> list[nn.Module]:
         return list(self.model.model.layers)
+
+    @contextlib.contextmanager
+    def drafting(self, step: StepState):
+        """``propose`` calls made inside draft for ``step`` (vLLM's runner makes the call)."""
+        self._step = step
+        try:
+            yield
+        finally:
+            self._step = None
 
     # -- drafting ----------------------------------------------------------
     def propose(
@@ -194,70 +140,53 @@ class EagleTreeProposer(EagleProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
     ) -> torch.Tensor:
-        self._last_draft_probs = None
+        step = self._step
+        assert step is not None, "propose runs inside drafting(step)"
         batch_size = common_attn_metadata.batch_size()
-        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+        last_hidden, hidden, token_indices_to_sample, cad = vllm_surface.first_pass_forward(
+            self,
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
             target_positions=target_positions,
             target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
+            common_attn_metadata=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
-        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
-            num_tokens
-        )
-        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
-            num_tokens, num_input_tokens, None
-        )
-        with set_forward_context(
-            per_layer_attn_metadata,
-            self.vllm_config,
-            num_tokens=num_input_tokens,
-            num_tokens_across_dp=tokens_across_dp,
-            cudagraph_runtime_mode=mode,
-            slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
-        ):
-            out = self.model(**model_kwargs)
-        last_hidden, hidden = out if self.model_returns_tuple() else (out, out)
-
-        depth, total_tokens = self._runner.choose_tree_size(batch_size)
-        total_tokens = min(total_tokens, int(num_speculative_tokens) + 1)
-        self.last_size = (depth, total_tokens)
-        num_drafts = total_tokens - 1
-        req_ids = list(self._runner.input_batch.req_ids[:batch_size])
-        if num_drafts <= 0 or depth == 0:
-            self.last_size = (0, 1)
-            self.last_drafts = None
+        cfg = self.eagle_config
+        passes, nodes = step.planned_size or (cfg.num_speculative_tokens, cfg.total_tokens)
+        nodes = min(nodes, int(num_speculative_tokens) + 1)
+        if nodes <= 1 or passes == 0:
+            step.drafted, step.drafted_size = None, (0, 1)
             return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
 
-        root_hidden = hidden[token_indices_to_sample]
-        root_last_hidden = last_hidden[token_indices_to_sample]  # the LM head runs in draft_tree
-        root_positions = self.positions[token_indices_to_sample].to(torch.int64)
-        temperatures = self._sampling_temperatures(req_ids, sampling_metadata)
-        tree = self.draft_tree(
+        req_ids = step.req_ids[:batch_size]
+        temperatures = self._sampling_temperatures(req_ids, sampling_metadata, step)
+        tree, draft_q, q_token_ids = self.draft_tree(
             root_tokens=next_token_ids[:batch_size].to(torch.int64),
-            root_hidden=root_hidden,
-            root_last_hidden=root_last_hidden,
-            root_positions=root_positions,
+            root_hidden=hidden[token_indices_to_sample],
+            root_last_hidden=last_hidden[token_indices_to_sample],  # the LM head runs here
+            root_positions=self.positions[token_indices_to_sample].to(torch.int64),
             block_table=cad.block_table_tensor[:batch_size],
-            total_tokens=total_tokens,
-            depth=depth,
+            nodes=nodes,
+            passes=passes,
             temperatures=temperatures,
         )
-        self.last_drafts = DraftedTrees(req_ids=req_ids, tree=tree)
+        step.drafted = DraftedTrees(req_ids=req_ids, tree=tree)
+        step.drafted_size = (passes, nodes)
         if temperatures is not None:
-            self.last_drafts.sampled = temperatures > 0
-            self.last_drafts.draft_q = torch.stack(self._last_q_rows, dim=1)  # [B, passes, V]
-            self.last_drafts.q_token_ids = self._last_q_token_ids
+            step.drafted.sampled = temperatures > 0
+            step.drafted.draft_q = draft_q
+            step.drafted.q_token_ids = q_token_ids
+        num_drafts = nodes - 1
         drafts = tree.tokens[:, 1 : num_drafts + 1]
         if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)
             drafts = torch.nn.functional.pad(drafts, (0, num_drafts - drafts.shape[1]), value=0)
         return drafts.clamp(min=0)
 
-    def _sampling_temperatures(self, req_ids: list[str], sampling_metadata) -> torch.Tensor | None:
+    def _sampling_temperatures(
+        self, req_ids: list[str], sampling_metadata, step: StepState
+    ) -> torch.Tensor | None:
         """[B] temperature at which each request's drafts are sampled (0: argmax drafts),
         or None when nothing is sampled.
 
@@ -276,10 +205,8 @@ class EagleTreeProposer(EagleProposer):
             if b < len(req_ids):
                 temps[b] = 0.0
         for b, req_id in enumerate(req_ids):
-            state = self._runner.requests.get(req_id)
-            if state is not None and state.sampling_params is not None:
-                if state.sampling_params.structured_outputs is not None:
-                    temps[b] = 0.0
+            if req_id in step.structured_req_ids:
+                temps[b] = 0.0
         if not bool((temps > 0).any()):
             return None
         return temps
@@ -291,7 +218,7 @@ class EagleTreeProposer(EagleProposer):
         argmax where T == 0. Returns children [B, w, 1] and q [B, w, V]."""
         temps = temperatures.to(logprobs.device)[:, None, None]
         q = torch.softmax(logprobs / temps.clamp(min=1e-5), dim=-1)
-        race = torch.empty_like(q).exponential_(generator=self._draft_rng)
+        race = torch.empty_like(q).exponential_(generator=self.draft_rng)
         sampled = (q / race).argmax(dim=-1, keepdim=True)  # exact draw from q
         greedy = logprobs.argmax(dim=-1, keepdim=True)
         children = torch.where(temps > 0, sampled, greedy)
@@ -305,46 +232,52 @@ class EagleTreeProposer(EagleProposer):
         root_last_hidden: torch.Tensor,
         root_positions: torch.Tensor,
         block_table: torch.Tensor,
-        total_tokens: int,
-        depth: int,
+        nodes: int,
+        passes: int,
         temperatures: torch.Tensor | None = None,
-    ) -> DraftTree:
-        """Expand (``depth`` draft passes) and rerank a tree per request, from the root's
-        draft output. ``temperatures`` [B] (chains only): sample each draft from the
-        draft distribution at that temperature (0: argmax); the q rows are kept in
-        ``self._last_q_rows`` for the verifier."""
+    ) -> tuple[DraftTree, torch.Tensor | None, torch.Tensor | None]:
+        """Expand (``passes`` draft passes) and rerank a tree of ``nodes`` nodes per
+        request, from the root's draft output. ``temperatures`` [B] (chains only): sample
+        each draft from the draft distribution at that temperature (0: argmax). Returns
+        the trees and, when sampling, q ``[B, passes, V']`` (node j's child distribution)
+        over the token ids returned last (None: the full vocabulary)."""
         cfg = self.eagle_config
         batch = root_tokens.shape[0]
-        if depth == 1 and temperatures is None:
+        if passes == 1 and temperatures is None:
             # The shape the sizer picks most at batch 1: skip the builder's bookkeeping.
             logprobs, token_ids = self._draft_logprobs(root_last_hidden, 1)
-            return depth_one_tree(root_tokens, logprobs, cfg.topk, total_tokens, token_ids)
-        builder = TreeBuilder(root_tokens, cfg.topk, total_tokens, depth)
+            return depth_one_tree(root_tokens, logprobs, cfg.topk, nodes, token_ids), None, None
+        builder = TreeBuilder(root_tokens, cfg.topk, nodes, passes)
         q_rows: list[torch.Tensor] = []
-        self._last_q_rows = q_rows  # node j's child distribution, stacked by propose
+        q_token_ids = None
 
         def expand(logprobs: torch.Tensor, token_ids: torch.Tensor | None) -> None:
+            nonlocal q_token_ids
             if temperatures is None:
                 builder.step(logprobs, token_ids)
                 return
             children, q = self._choose_children(logprobs, temperatures)
             q_rows.append(q[:, 0])  # chains: one frontier row per pass
-            self._last_q_token_ids = token_ids
+            q_token_ids = token_ids
             builder.step(logprobs, token_ids, children=children)
 
-        expand(*self._draft_logprobs(root_last_hidden, 1))
-        if depth == 1:
-            return builder.finalize(pad_to=total_tokens)
+        def finish() -> tuple[DraftTree, torch.Tensor | None, torch.Tensor | None]:
+            draft_q = torch.stack(q_rows, dim=1) if q_rows else None
+            return builder.finalize(pad_to=nodes), draft_q, q_token_ids
 
-        layers = self._draft_layers()
+        expand(*self._draft_logprobs(root_last_hidden, 1))
+        if passes == 1:
+            return finish()
+
+        layers = self.draft_layers()
         prefix_lens = root_positions + 1  # draft KV at positions <= root's
-        shims = _prefix_attention_shims(layers, block_table, prefix_lens)
+        shims = self._prefix_attention_shims(layers, block_table, prefix_lens)
 
         max_position = self.max_model_len - 1
         node_hidden = root_hidden[:, None, :]
         node_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=root_hidden.device)
         with _swapped_attention(layers, shims):
-            for step in range(1, depth):
+            for depth in range(1, passes):
                 frontier = builder.frontier()
                 width = frontier.tokens.shape[1]
                 parent_rows = frontier.parent_frontier_index.clamp(min=0)
@@ -360,7 +293,7 @@ class EagleTreeProposer(EagleProposer):
                 node_mask = torch.cat([inherited, own[None].expand(batch, -1, -1)], dim=2)
                 for shim in shims:
                     shim.mask = node_mask
-                positions = (root_positions[:, None] + step).clamp(max=max_position)
+                positions = (root_positions[:, None] + depth).clamp(max=max_position)
                 x = self.model.combine_features(
                     frontier.tokens.clamp(min=0).reshape(-1),
                     parent_hidden.reshape(batch * width, -1),
@@ -370,97 +303,16 @@ class EagleTreeProposer(EagleProposer):
                     x, residual = layer(positions.reshape(-1), x, residual)
                 node_hidden = (x + residual).view(batch, width, -1)
                 expand(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
-        return builder.finalize(pad_to=total_tokens)
-
-    # -- drafts-off steps: deferred first passes ------------------------------
-    def defer_first_pass(
-        self,
-        req_ids: list[str],
-        positions: torch.Tensor,
-        next_tokens: torch.Tensor,
-        features: torch.Tensor,
-    ) -> bool:
-        """Keep a skipped first pass's inputs: request b's draft KV at ``positions[b]``
-        needs ``next_tokens[b]`` and ``features[b]``. True when a request now has
-        ``max_deferred_tokens`` waiting (the caller should ``catch_up``)."""
-        live = self._runner.requests
-        for req_id in [r for r in self._deferred if r not in live]:
-            del self._deferred[req_id]  # finished or aborted: its blocks are gone
-        features = features.detach().clone()  # the runner reuses its buffers
-        full = False
-        for b, (req_id, pos, token) in enumerate(
-            zip(req_ids, positions.tolist(), next_tokens.tolist())
-        ):
-            pending = self._deferred.get(req_id)
-            if pending is None or pending.end != pos:
-                # nothing kept, or positions recomputed since (preemption): the first
-                # pass of the recomputation wrote the draft KV before ``pos``
-                pending = self._deferred[req_id] = _DeferredFirstPass(pos, [], [])
-            pending.tokens.append(int(token))
-            pending.features.append(features[b])
-            full |= len(pending.tokens) >= self.max_deferred_tokens
-        return full
-
-    def deferred_end(self, req_id: str) -> int | None:
-        """The first position after request ``req_id``'s deferred run (None: nothing deferred)."""
-        pending = self._deferred.get(req_id)
-        return None if pending is None else pending.end
-
-    @property
-    def has_deferred(self) -> bool:
-        """Whether any request has deferred positions (cheap: checked every drafting step)."""
-        return bool(self._deferred)
+        return finish()
 
     @torch.inference_mode()
-    def catch_up(
-        self,
-        req_ids: list[str],
-        next_positions: torch.Tensor,
-        block_table: torch.Tensor,
-        limits: torch.Tensor | None = None,
-    ) -> int:
-        """Write the draft KV of every deferred position of these requests (batch rows),
-        in one forward; ``next_positions[b]``: request b's first position not deferred
-        (a request whose deferred run does not end there was recomputed and is
-        dropped); ``limits[b]``: write only positions below it (the rest is dropped).
-        Returns the number of positions written."""
-        rows, kept = [], []
-        ends = limits.tolist() if limits is not None else [None] * len(req_ids)
-        for b, (req_id, nxt, limit) in enumerate(zip(req_ids, next_positions.tolist(), ends)):
-            pending = self._deferred.pop(req_id, None)
-            if pending is None or pending.end != nxt:
-                continue
-            if limit is not None:
-                keep = max(0, limit - pending.start)
-                pending = _DeferredFirstPass(
-                    pending.start, pending.tokens[:keep], pending.features[:keep]
-                )
-            if pending.tokens:
-                rows.append(b)
-                kept.append(pending)
-        if not rows:
-            return 0
-        device = kept[0].features[0].device
-        lengths = torch.tensor([len(p.tokens) for p in kept], dtype=torch.int64)
-        starts = torch.tensor([p.start for p in kept], dtype=torch.int64)
-        width = int(lengths.max())
-        tokens = torch.zeros(len(kept), width, dtype=torch.int64)
-        features = torch.zeros(len(kept), width, kept[0].features[0].shape[-1],
-                               dtype=kept[0].features[0].dtype, device=device)  # fmt: skip
-        for i, pending in enumerate(kept):
-            tokens[i, : len(pending.tokens)] = torch.tensor(pending.tokens)
-            features[i, : len(pending.tokens)] = torch.stack(pending.features)
-        valid = torch.arange(width)[None, :] < lengths[:, None]  # [R, W]
-        # each deferred position sees the draft KV before its run (paged cache) and the
-        # run's earlier positions (causal)
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :]).to(device)
-        positions = (starts[:, None] + torch.arange(width)[None, :]).clamp(
-            max=self.max_model_len - 1
-        )
-        table = block_table[torch.tensor(rows)]
-        layers = self._draft_layers()
-        shims = _prefix_attention_shims(layers, table, starts.to(device))
+    def forward_runs(self, tokens, features, positions, block_table, starts, mask):
+        """The draft layers over runs of positions (``deferred.py``): run r's positions
+        see the draft KV before ``starts[r]`` (paged cache) and the run's positions
+        ``mask`` allows. Returns each layer's attention module and the runs' K/V."""
+        device = features.device
+        layers = self.draft_layers()
+        shims = self._prefix_attention_shims(layers, block_table, starts.to(device))
         for shim in shims:
             shim.mask = mask
         x = self.model.combine_features(
@@ -470,22 +322,7 @@ class EagleTreeProposer(EagleProposer):
         with _swapped_attention(layers, shims):
             for layer in layers:
                 x, residual = layer(positions.to(device).reshape(-1), x, residual)
-        valid_rows = valid.to(device)
-        written = positions[valid]
-        table_rows = torch.arange(len(rows))[:, None].expand_as(positions)[valid]
-        for layer, shim in zip(layers, shims):
-            attn = layer.self_attn.attn
-            kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-            block_size = kv_cache.shape[2]  # the CPU layout [blocks, heads, block, 2*dim]
-            slots = table[table_rows, written // block_size].long() * block_size + (
-                written % block_size
-            )
-            attn.impl.do_kv_cache_update(
-                attn, shim.node_k[valid_rows], shim.node_v[valid_rows], kv_cache,
-                slots.to(device),
-            )  # fmt: skip
-        self.caught_up_positions += int(valid.sum())
-        return int(valid.sum())
+        return [(layer.self_attn.attn, (s.node_k, s.node_v)) for layer, s in zip(layers, shims)]
 
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):
         """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids."""
@@ -493,21 +330,20 @@ class EagleTreeProposer(EagleProposer):
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return logprobs.view(-1, width, logprobs.shape[-1]), token_ids
 
-
-def _prefix_attention_shims(
-    layers: list[nn.Module], block_table: torch.Tensor, prefix_lens: torch.Tensor
-) -> list[_TreeNodeAttention]:
-    """One ``_TreeNodeAttention`` per draft layer over each request's draft KV of
-    positions ``< prefix_lens`` (read from the paged cache)."""
-    max_prefix = max(1, int(prefix_lens.max()))
-    shims = []
-    for layer in layers:
-        attn = layer.self_attn.attn
-        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        check_cpu_isa(getattr(attn, "isa", "unknown"))
-        prefix_k, prefix_v = gather_cpu_kv(kv_cache, block_table, max_prefix)
-        shims.append(_TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, len(block_table)))
-    return shims
+    def _prefix_attention_shims(
+        self, layers: list[nn.Module], block_table: torch.Tensor, prefix_lens: torch.Tensor
+    ) -> list[_TreeNodeAttention]:
+        """One ``_TreeNodeAttention`` per draft layer over each request's draft KV of
+        positions ``< prefix_lens`` (read from the paged cache)."""
+        max_prefix = max(1, int(prefix_lens.max()))
+        shims = []
+        for layer in layers:
+            attn = layer.self_attn.attn
+            prefix_k, prefix_v = self.platform.gather_prefix_kv(attn, block_table, max_prefix)
+            shims.append(
+                _TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, len(block_table))
+            )
+        return shims
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ Written against vLLM 0.32 (vllm/v1/sample/rejection_sampler.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,7 @@ from vllm.v1.sample.rejection_sampler import (
     RejectionSampler,
 )
 
+from eagle_vllm.engine.step import StepState
 from eagle_vllm.verify import (
     chain_parents,
     greedy_verify_choices,
@@ -50,29 +52,26 @@ LIST_WALK_MAX_NODES = 64
 class ExactRejectionSampler(RejectionSampler):
     """Verifies drafts as trees (a chain is a tree) with exact rules."""
 
-    def __init__(
-        self,
-        sampler,
-        spec_config=None,
-        device=None,
-        tree_source=None,
-        position_source=None,
-        draft_q_source=None,
-    ):
+    def __init__(self, sampler, spec_config=None, device=None):
         super().__init__(sampler, spec_config, device)
-        # Callable(tokens [B, N], num_nodes [B], vocab) -> (q [B, N, V], mask [B]) or
-        # None: the draft distributions of requests whose drafts were sampled from q.
-        self.draft_q_source = draft_q_source
-        # Callable() -> positions [num_tokens] of this step's scheduled tokens (tree rows
-        # at root + depth). Seeded requests key their random draws by sequence position
-        # (verify/position_rng.py) so that the same seed gives the same output.
-        self.position_source = position_source
-        # Callable(num_nodes [B], width) -> parents [B, width], or None for chains.
-        # Set by the runner when trees are verified.
-        self.tree_source = tree_source
-        # [B, max_drafts] node indices of each request's accepted path (-1 padded),
-        # for KV compaction.
-        self.last_accepted_nodes: torch.Tensor | None = None
+        # The step being verified (``verifying``): its trees' parents, its positions
+        # (seeded requests key their random draws by sequence position,
+        # verify/position_rng.py), the draft distributions of sampled drafts; the
+        # accepted path of every request is written back to it.
+        self._step: StepState | None = None
+
+    @contextlib.contextmanager
+    def verifying(self, step: StepState):
+        """``forward`` calls made inside verify ``step`` (vLLM's runner makes the call)."""
+        self._step = step
+        try:
+            yield
+        finally:
+            self._step = None
+
+    def _record_accepted(self, accepted: torch.Tensor) -> None:
+        if self._step is not None:
+            self._step.accepted_nodes = accepted
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         if _argmax_decides(sampling_metadata) and logits.shape[0]:
@@ -138,9 +137,9 @@ class ExactRejectionSampler(RejectionSampler):
 
     def _row_positions(self, metadata, sampling_metadata) -> torch.Tensor | None:
         """Sequence position of each logits row's token, when some request is seeded."""
-        if not sampling_metadata.generators or self.position_source is None:
+        positions = None if self._step is None else self._step.positions
+        if not sampling_metadata.generators or positions is None:
             return None
-        positions = self.position_source()
         return positions[metadata.logits_indices.to(positions.device)].to("cpu", torch.int64)
 
     def verify(
@@ -180,7 +179,7 @@ class ExactRejectionSampler(RejectionSampler):
         tokens[:, 1:][valid[:, :max_drafts]] = draft_ids
         tokens[:, 0] = 0
         # Requests with penalties, bad words or grammars are never trees here: the
-        # runner verifies them as chains (runner._needs_chain_verification).
+        # runner verifies them as chains (runner.needs_chain_verification).
         parents = self._parents(num_nodes, max_drafts + 1)
 
         is_greedy = (
@@ -238,7 +237,7 @@ class ExactRejectionSampler(RejectionSampler):
                 res = tree_verify_with_draws(tokens[idx], parents[idx], num_nodes[idx], draw)
                 output[idx] = res.output_tokens
                 accepted[idx] = res.accepted_nodes
-        self.last_accepted_nodes = accepted
+        self._record_accepted(accepted)
         return output.to(device)
 
     def _verify_argmax_lists(self, metadata, top: list[int], device) -> torch.Tensor:
@@ -259,9 +258,11 @@ class ExactRejectionSampler(RejectionSampler):
             choice.append([*(top[r] for r in target_rows[start : start + n]), top[bonus_rows[b]]])
             start += n
         paths, outputs = greedy_walk_lists(tokens, parents, num_nodes, choice)
-        self.last_accepted_nodes = torch.tensor(
-            [path + [-1] * (max_drafts - len(path)) for path in paths], dtype=torch.int64
-        ).view(batch, max_drafts)
+        self._record_accepted(
+            torch.tensor(
+                [path + [-1] * (max_drafts - len(path)) for path in paths], dtype=torch.int64
+            ).view(batch, max_drafts)
+        )
         output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
         return torch.tensor(output, dtype=torch.int64).view(batch, width).to(device)
 
@@ -305,9 +306,9 @@ class ExactRejectionSampler(RejectionSampler):
     def _sampled_q(self, tokens, num_nodes, vocab, idx) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [len(idx), N, V], mask [len(idx)]) for the sampled-temperature rows ``idx``
         whose drafts were drawn from q, or None."""
-        if self.draft_q_source is None:
+        if self._step is None:
             return None
-        found = self.draft_q_source(tokens, num_nodes, vocab)
+        found = sampled_draft_q(self._step, tokens, num_nodes, vocab)
         if found is None:
             return None
         q, mask = found
@@ -322,7 +323,7 @@ class ExactRejectionSampler(RejectionSampler):
         """vLLM's version reads output position i from draft row i, which holds for a
         chain only. In a tree, output position i follows accepted node ``path[i-1]``
         (position 0 follows the root), so its logprobs come from that node's row."""
-        path = self.last_accepted_nodes
+        path = None if self._step is None else self._step.accepted_nodes
         width = sampled_token_ids.shape[-1]
         device = logits.device
         starts = metadata.cu_num_sampled_tokens.to(device) - torch.tensor(
@@ -342,11 +343,50 @@ class ExactRejectionSampler(RejectionSampler):
         return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens.to(torch.int64))
 
     def _parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
-        if self.tree_source is not None:
-            parents = self.tree_source(num_nodes, width)
-            if parents is not None:
-                return parents
-        return chain_parents(num_nodes, width)
+        """[B, width] parent of every node: the step's trees where verified as trees, a
+        chain elsewhere."""
+        tree_batch = None if self._step is None else self._step.tree_batch
+        if tree_batch is None:
+            return chain_parents(num_nodes, width)
+        return tree_batch.verification_parents(num_nodes, width)
+
+
+def sampled_draft_q(
+    step: StepState, tokens: torch.Tensor, num_nodes: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Draft distributions of requests whose drafts were sampled (draft_sample_method:
+    sample): q [B, N, vocab] (node j's row = the law its child was drawn from) and the
+    mask of those requests, or None when no request has them. A request whose
+    scheduled drafts are not a prefix of what was drafted is left out."""
+    drafted = step.verifying
+    if drafted is None or drafted.sampled is None or drafted.draft_q is None:
+        return None
+    batch, width = tokens.shape
+    index = drafted.row_of()
+    passes = drafted.draft_q.shape[1]
+    rows, src = [], []
+    for b, req_id in enumerate(step.req_ids[:batch]):
+        i = index.get(req_id)
+        n = int(num_nodes[b])
+        if i is None or not bool(drafted.sampled[i]) or n - 1 > passes:
+            continue
+        if not torch.equal(tokens[b, 1:n], drafted.tree.tokens[i, 1:n].to(tokens.device)):
+            continue
+        rows.append(b)
+        src.append(i)
+    if not rows:
+        return None
+    q = torch.zeros(batch, width, vocab, dtype=torch.float32)
+    n_rows = min(width, passes)
+    sub = drafted.draft_q[src, :n_rows].to("cpu", torch.float32)
+    if drafted.q_token_ids is None:
+        q[rows, :n_rows, : sub.shape[-1]] = sub
+    else:
+        ids = drafted.q_token_ids.to("cpu", torch.int64)
+        q[torch.tensor(rows)[:, None, None], torch.arange(n_rows)[None, :, None], ids] = sub
+    mask = torch.zeros(batch, dtype=torch.bool)
+    mask[rows] = True
+    return q, mask
 
 
 def _argmax_decides(sampling_metadata) -> bool:

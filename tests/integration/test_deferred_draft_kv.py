@@ -29,14 +29,14 @@ def _read_draft_kv(worker) -> dict:
     runner = worker.model_runner
     (state,) = runner.requests.values()
     n = state.num_computed_tokens
-    attn = runner.drafter._draft_layers()[0].self_attn.attn
+    attn = runner.drafter.draft_layers()[0].self_attn.attn
     kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
     k, v = gather_cpu_kv(kv_cache, torch.tensor([state.block_ids[0]]), n)
     return {
         "k": k[0].clone(),
         "v": v[0].clone(),
         "tokens": list(state.output_token_ids),
-        "caught_up": getattr(runner.drafter, "caught_up_positions", 0),
+        "caught_up": runner.deferred.written_positions,
     }
 
 
@@ -57,22 +57,26 @@ def _read_blocks(blocks: list[int], n: int):
     def read(worker) -> dict:
         from eagle_vllm.attention.paged_kv import gather_cpu_kv
 
-        drafter = worker.model_runner.drafter
-        attn = drafter._draft_layers()[0].self_attn.attn
+        runner = worker.model_runner
+        attn = runner.drafter.draft_layers()[0].self_attn.attn
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
         k, v = gather_cpu_kv(kv_cache, torch.tensor([blocks]), n)
-        return {"k": k[0].clone(), "v": v[0].clone(), "caught_up": drafter.caught_up_positions}
+        return {
+            "k": k[0].clone(),
+            "v": v[0].clone(),
+            "caught_up": runner.deferred.written_positions,
+        }
 
     return read
 
 
 def _cap_deferred(worker):
-    worker.model_runner.drafter.max_deferred_tokens = 16
+    worker.model_runner.deferred.max_tokens = 16
 
 
 def _cap_deferred_at(cap: int):
     def set_cap(worker):
-        worker.model_runner.drafter.max_deferred_tokens = cap
+        worker.model_runner.deferred.max_tokens = cap
 
     return set_cap
 

@@ -22,6 +22,18 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
 
 from eagle_vllm.engine import sampler as sampler_module  # noqa: E402
 from eagle_vllm.engine.sampler import ExactRejectionSampler  # noqa: E402
+from eagle_vllm.engine.step import StepRecord, StepState  # noqa: E402
+
+
+class _TreeParents:
+    """Every request's parents given outright, as a step's ``TreeBatch`` answers them."""
+
+    def __init__(self, parents: torch.Tensor):
+        self.parents = parents
+
+    def verification_parents(self, num_nodes: torch.Tensor, width: int) -> torch.Tensor:
+        return self.parents[:, :width]
+
 
 V = 50
 
@@ -98,13 +110,14 @@ def test_the_fast_path_outputs_what_the_full_path_does(monkeypatch, walk, trees,
     parents = _random_trees(gen, counts) if trees else None
 
     def run(fast: bool):
-        verifier = ExactRejectionSampler(
-            Sampler(),
-            tree_source=(lambda n, w: parents[:, :w]) if trees else None,
-        )
+        verifier = ExactRejectionSampler(Sampler())
+        step = StepState(record=StepRecord(started=0.0, decode_only=True))
+        if trees:
+            step.tree_batch = _TreeParents(parents)
         monkeypatch.setattr(sampler_module, "_argmax_decides", lambda m: fast)
-        out = verifier(spec, None, logits.clone(), _greedy_metadata(len(counts)))
-        return out.sampled_token_ids, verifier.last_accepted_nodes
+        with verifier.verifying(step):
+            out = verifier(spec, None, logits.clone(), _greedy_metadata(len(counts)))
+        return out.sampled_token_ids, step.accepted_nodes
 
     fast_tokens, fast_nodes = run(True)
     full_tokens, full_nodes = run(False)

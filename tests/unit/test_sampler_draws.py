@@ -18,6 +18,13 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
 
 from eagle_vllm.engine.sampler import ExactRejectionSampler  # noqa: E402
+from eagle_vllm.engine.step import StepRecord, StepState  # noqa: E402
+
+
+def _step(**fields) -> StepState:
+    return StepState(record=StepRecord(started=0.0, decode_only=True), **fields)
+
+
 from eagle_vllm.verify.position_rng import DOMAIN_SAMPLER, position_generator  # noqa: E402
 
 V = 64
@@ -86,14 +93,14 @@ def test_walk_draws_equal_vllms_plain_draws(accepted, seed):
     if accepted < DRAFTS:  # then a draft the target's draw does not pick
         drafts += [(plain[accepted] + 1) % V] * (DRAFTS - accepted)
     verifier = ExactRejectionSampler(Sampler())
-    positions = torch.arange(DRAFTS + 1) + FIRST_POSITION
-    verifier.position_source = lambda: positions
-    out = verifier(_chain(drafts), None, logits.clone(), _metadata(seed, **params))
+    step = _step(positions=torch.arange(DRAFTS + 1) + FIRST_POSITION)
+    with verifier.verifying(step):
+        out = verifier(_chain(drafts), None, logits.clone(), _metadata(seed, **params))
     tokens = out.sampled_token_ids.view(-1).tolist()
     # the accepted drafts, then the token vLLM would have drawn at the next position
     # (the correction after a rejection, or the bonus after all drafts)
     assert tokens[: accepted + 1] == plain[: accepted + 1]
-    assert verifier.last_accepted_nodes[0, :accepted].tolist() == list(range(1, accepted + 1))
+    assert step.accepted_nodes[0, :accepted].tolist() == list(range(1, accepted + 1))
 
 
 def test_walk_draws_only_at_visited_nodes(monkeypatch):
@@ -110,8 +117,10 @@ def test_walk_draws_only_at_visited_nodes(monkeypatch):
     logits = torch.full((DRAFTS + 1, V), -30.0)
     logits[:, 5] = 30.0  # the target picks token 5 everywhere
     meta = _metadata(None, temperature=1.0, top_p=1.0, min_p=0.0)
-    verifier(_chain([7, 5, 5]), None, logits.clone(), meta)  # first draft rejected
+    step = _step()
+    with verifier.verifying(step):
+        verifier(_chain([7, 5, 5]), None, logits.clone(), meta)  # first draft rejected
     # one row for the bonus token (vLLM's own draw), one for the walk's root node:
     # not a row for each of the 4 nodes
     assert rows_drawn == [1, 1]
-    assert verifier.last_accepted_nodes[0].tolist() == [-1] * DRAFTS
+    assert step.accepted_nodes[0].tolist() == [-1] * DRAFTS

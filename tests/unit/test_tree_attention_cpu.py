@@ -66,7 +66,7 @@ def test_tree_rows_match_the_reference(
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from eagle_vllm.attention.cpu_backend import TreeCPUAttentionImpl, verifying_trees
+    from eagle_vllm.attention.cpu_backend import TreeCPUAttentionImpl
     from eagle_vllm.attention.paged_kv import gather_cpu_kv
     from eagle_vllm.attention.reference import prefix_tree_attention
     from eagle_vllm.attention.tree_batch import TreeBatch
@@ -116,9 +116,8 @@ def test_tree_rows_match_the_reference(
     impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = H_Q, H_KV, head, head**-0.5
     layer = SimpleNamespace(isa=isa, layer_name="layers.0.attn")
     output = torch.full((total, H_Q * head), float("nan"), dtype=dtype)
-    with verifying_trees(batch):
-        impl.forward(layer, query, key, value, kv_cache, SimpleNamespace(num_actual_tokens=total),
-                     output)  # fmt: skip
+    metadata = SimpleNamespace(num_actual_tokens=total, eagle_tree_batch=batch)
+    impl.forward(layer, query, key, value, kv_cache, metadata, output)
 
     mask = batch.ancestor_mask()
     for b, (n, p) in enumerate(zip(num_nodes, prefixes)):

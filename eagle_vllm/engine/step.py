@@ -1,0 +1,74 @@
+"""What one engine step knows, in one object handed from hook to hook.
+
+The runner creates a ``StepState`` when vLLM calls ``execute_model`` and passes it, as
+an argument or a scoped binding, to the tree attention (``TreeBatch``), the verifier
+and the drafter. Drafts are made at the end of step t and verified in step t + 1, so
+the new step starts from the previous step's ``drafted`` trees (``verifying``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_vllm.attention.tree_batch import TreeBatch
+from eagle_vllm.tree.layout import DraftTree
+
+
+@dataclass
+class DraftedTrees:
+    """The trees one ``propose`` handed to vLLM, for the verifier of the next step."""
+
+    req_ids: list[str]
+    tree: DraftTree
+    # draft_sample_method: sample. ``sampled[b]``: request b's drafts were sampled
+    # from ``draft_q[b, j]`` (node j's child distribution over ``q_token_ids``, or the
+    # full vocabulary when None); the verifier then uses q (sampled_chain_verify).
+    sampled: torch.Tensor | None = None
+    draft_q: torch.Tensor | None = None
+    q_token_ids: torch.Tensor | None = None
+
+    def row_of(self) -> dict[str, int]:
+        return {req_id: i for i, req_id in enumerate(self.req_ids)}
+
+
+@dataclass
+class StepRecord:
+    """One step's timings and shape, as the sizer is charged for it (``telemetry.py``)."""
+
+    started: float  # perf_counter at execute_model
+    decode_only: bool  # every scheduled token is a request's last token or a draft
+    batch: int = 0
+    passes: int = 0  # draft passes run for the next step
+    verified_nodes: int = 1  # the largest tree verified (1: no drafts)
+    sampled: bool = False  # some request samples (temperature > 0)
+    execute_seconds: float = 0.0
+    runner_seconds: float | None = None  # execute_model + sample_tokens, once both ran
+    draft_ran: bool = False  # the drafting hook ran (drafted, or deferred its first pass)
+    draft_seconds: float = 0.0  # the drafter, deferred draft KV excluded
+    catch_up_seconds: float = 0.0  # deferred draft KV written in this step
+
+
+@dataclass
+class StepState:
+    """One step, from ``execute_model`` to the drafts for the next."""
+
+    record: StepRecord
+    # the trees drafted in the previous step, verified in this one (None: no drafts)
+    verifying: DraftedTrees | None = None
+    # requests whose trees are verified as trees this step (None: chains only)
+    tree_batch: TreeBatch | None = None
+    # [num_tokens] positions of this step's scheduled tokens (tree rows at root + depth)
+    positions: torch.Tensor | None = None
+    # [B, max_drafts] node indices of each request's accepted path (-1 padded)
+    accepted_nodes: torch.Tensor | None = None
+    # (draft passes, tree nodes) the sizer chose for the next step's trees
+    planned_size: tuple[int, int] | None = None
+    # the requests of this step's batch, in batch order
+    req_ids: list[str] = field(default_factory=list)
+    # requests with a grammar (their drafts are argmax drafts)
+    structured_req_ids: frozenset[str] = frozenset()
+    # the trees drafted in this step, for the next, and their (passes, nodes)
+    drafted: DraftedTrees | None = None
+    drafted_size: tuple[int, int] = (0, 1)
