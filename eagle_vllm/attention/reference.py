@@ -1,8 +1,12 @@
 """Tree attention in torch: each query sees its request's prefix plus its tree ancestors.
 
-This is the CPU path and the oracle for the GPU kernel. Inputs are dense:
-the prefix K/V already gathered from the paged cache (``paged_kv.py``) and the
-tree nodes' K/V held in memory.
+Served, not only a test oracle: the draft model's attention while the tree is expanded
+(``engine/proposer.py``, ``_TreeNodeAttention``), on every platform. It is also the
+plainest form of the target's tree attention, and the tests' oracle for the CPU
+backend's fused op and torch path (``cpu_backend.py``) and the GPU kernel
+(``triton_tree.py``). Inputs are dense: the prefix K/V already gathered from the paged
+cache (``TreePlatform.gather_prefix_kv``; ``paged_kv.py`` on CPU) and the tree nodes' K/V
+held in memory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The caller runs the draft model; the builder only decides what to expand and
 what to keep.  One round for ``B`` requests::
 
-    tb = TreeBuilder(root_tokens, topk=k, total_tokens=m, depth=d)
+    tb = TreeBuilder(root_tokens, topk=k, nodes=m, passes=d)
     fr = tb.frontier()                      # the root only, width 1
     for _ in range(d):
         logprobs = draft(fr)                # [B, w, V] log-softmax, one row per
@@ -21,7 +21,7 @@ Semantics (EAGLE-2 "expand + rerank", SafeAILab ``topK_genrate``):
   expands the root only, so depth 1 has ``topk`` candidates and every later
   depth ``topk**2``.
 * Rerank (:meth:`TreeBuilder.finalize`): request ``b`` keeps the top
-  ``total_tokens[b] - 1`` candidates over all depths (clamped to the number of
+  ``nodes[b] - 1`` candidates over all depths (clamped to the number of
   candidates), plus the root.
 
 Candidate numbering.  The root is candidate 0.  Step ``s`` appends its
@@ -46,8 +46,8 @@ Output order (``finalize(order=...)``), both topological (parents first):
 * ``"rank"`` (default): the kept nodes in the selection order above (score
   descending, shallower first on ties).  A parent ranks before its children,
   so this is topological, and every prefix is itself the optimal EAGLE-2
-  selection for the smaller budget: ``truncate(tree, k)`` equals building with
-  ``total_tokens = k``.
+  selection for the smaller budget: ``truncate(tree, k)`` (the oracle in
+  :mod:`eagle_vllm.tree.reference`) equals building with ``nodes = k``.
 * ``"id"``: ascending candidate id, i.e. sorted by (depth, parent's frontier
   row, sibling rank).  This is exactly the order SafeAILab emits (it sorts the
   selected indices of its flattened score list); prefixes are valid trees but
@@ -70,12 +70,12 @@ Deliberate differences from SafeAILab ``topK_genrate``:
    implementation-defined choice left is WHICH token ``torch.topk`` proposes
    when several tokens tie exactly at the k-th largest log-prob of a single
    distribution (it has no effect on losslessness).
-2. ``depth``.  Ours is the number of draft forwards = the maximum node depth.
+2. ``passes``.  Ours is the number of draft forwards = the maximum node depth.
    SafeAILab runs one forward for the root and then ``depth`` more, so its
-   ``depth=d`` corresponds to our ``depth=d+1``.
-3. ``total_tokens`` counts the root (as SafeAILab's ``total_token``), but may
+   ``depth=d`` corresponds to our ``passes=d+1``.
+3. ``nodes`` counts the root (as SafeAILab's ``total_token``), but may
    differ per request (a tensor), and is clamped to the number of candidates
-   instead of failing in ``torch.topk``; ``total_tokens=1`` means no drafts.
+   instead of failing in ``torch.topk``; ``nodes=1`` means no drafts.
 4. Batched: B requests, each with its own tree; SafeAILab supports B = 1.
 5. NaN log-probs are treated as -inf and positive log-probs (log-softmax
    rounding) are clamped to 0, so scores are monotone along every path.
@@ -116,36 +116,37 @@ class TreeBuilder:
     Args:
         root_tokens: [B] last accepted tokens (the roots).
         topk: children per expanded node and beam (frontier) width, >= 1.
-        total_tokens: node budget per request, root included (int or [B]
-            tensor, each >= 1).  ``total_tokens - 1`` drafts are kept.
-        depth: maximum number of :meth:`step` calls (= maximum node depth).
+        nodes: node budget per request, root included (int or [B] tensor,
+            each >= 1).  ``nodes - 1`` drafts are kept.
+        passes: maximum number of :meth:`step` calls, one draft forward each
+            (= maximum node depth).
     """
 
     def __init__(
         self,
         root_tokens: Tensor,
         topk: int,
-        total_tokens: Tensor | int,
-        depth: int,
+        nodes: Tensor | int,
+        passes: int,
     ) -> None:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
-        if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
+        if passes < 0:
+            raise ValueError(f"passes must be >= 0, got {passes}")
         root_tokens = root_tokens.reshape(-1).long()
         self.device = root_tokens.device
         self.batch_size = b = root_tokens.shape[0]
         self.topk = int(topk)
-        self.depth = int(depth)
-        if isinstance(total_tokens, Tensor):
-            tt = total_tokens.to(self.device).long().reshape(-1)
-            if tt.numel() == 1 and b != 1:
-                tt = tt.expand(b)
-            if tt.shape != (b,):
-                raise ValueError("total_tokens must be an int or a [B] tensor")
+        self.passes = int(passes)
+        if isinstance(nodes, Tensor):
+            budget = nodes.to(self.device).long().reshape(-1)
+            if budget.numel() == 1 and b != 1:
+                budget = budget.expand(b)
+            if budget.shape != (b,):
+                raise ValueError("nodes must be an int or a [B] tensor")
         else:
-            tt = torch.full((b,), int(total_tokens), dtype=torch.long, device=self.device)
-        self.total_tokens = tt.clamp(min=1)
+            budget = torch.full((b,), int(nodes), dtype=torch.long, device=self.device)
+        self.nodes = budget.clamp(min=1)
         self.root_tokens = root_tokens
 
         # candidate store (one entry per step), each [B, w * topk]
@@ -154,7 +155,7 @@ class TreeBuilder:
         self._cand_parent: list[Tensor] = []  # parent candidate id
         self._cand_parent_row: list[Tensor] = []  # global row of the parent
         self._num_cands = 0
-        self._steps = 0
+        self._passes_done = 0
         self._next_row = 1
 
         dev = self.device
@@ -168,20 +169,11 @@ class TreeBuilder:
             depth=0,
         )
 
-    # ------------------------------------------------------------------ sizes
-    @staticmethod
-    def num_candidates(topk: int, depth: int) -> int:
-        """Candidates created by ``depth`` steps: topk + (depth - 1) * topk**2."""
-        return 0 if depth <= 0 else topk + (depth - 1) * topk * topk
-
-    @staticmethod
-    def num_rows(topk: int, depth: int) -> int:
-        """Draft rows fed by ``depth`` steps: 1 + (depth - 1) * topk."""
-        return 0 if depth <= 0 else 1 + (depth - 1) * topk
-
+    # --------------------------------------------------------------- progress
     @property
-    def steps_done(self) -> int:
-        return self._steps
+    def passes_done(self) -> int:
+        """:meth:`step` calls (draft forwards) so far."""
+        return self._passes_done
 
     # ------------------------------------------------------------------- API
     def frontier(self) -> Frontier:
@@ -201,8 +193,8 @@ class TreeBuilder:
         keep the caller's order, which a sampled-draft verifier relies on.
         Returns the next frontier.
         """
-        if self._steps >= self.depth:
-            raise RuntimeError(f"TreeBuilder.step called more than depth={self.depth} times")
+        if self._passes_done >= self.passes:
+            raise RuntimeError(f"TreeBuilder.step called more than passes={self.passes} times")
         fr = self._frontier
         b, w, k = self.batch_size, fr.width, self.topk
         if logprobs.dim() != 3 or logprobs.shape[0] != b or logprobs.shape[1] != w:
@@ -230,7 +222,7 @@ class TreeBuilder:
         self._cand_parent.append(fr.node_ids.repeat_interleave(k, dim=1))
         self._cand_parent_row.append(fr.rows.repeat_interleave(k).expand(b, w * k))
         self._num_cands += w * k
-        self._steps += 1
+        self._passes_done += 1
 
         # next frontier: global top-k of this level, (score desc, id asc)
         nw = min(k, w * k)
@@ -254,7 +246,7 @@ class TreeBuilder:
     def finalize(self, pad_to: int | None = None, order: str = "rank") -> DraftTree:
         """Rerank and return the DraftTree (see the module docstring).
 
-        Request ``b`` keeps ``1 + min(total_tokens[b] - 1, #candidates)``
+        Request ``b`` keeps ``1 + min(nodes[b] - 1, #candidates)``
         nodes.  The padded width is the largest of these (host sync), or
         ``pad_to`` if given, in which case budgets are also clamped to
         ``pad_to`` nodes.  ``order``: ``"rank"`` (score desc, shallow first;
@@ -264,7 +256,7 @@ class TreeBuilder:
             raise ValueError(f"order must be 'rank' or 'id', got {order!r}")
         b, dev = self.batch_size, self.device
         c = self._num_cands
-        m = (self.total_tokens - 1).clamp(min=0, max=c)
+        m = (self.nodes - 1).clamp(min=0, max=c)
         if pad_to is not None:
             if pad_to < 1:
                 raise ValueError("pad_to must be >= 1")
@@ -358,26 +350,26 @@ def depth_one_tree(
     root_tokens: Tensor,
     logprobs: Tensor,
     topk: int,
-    total_tokens: int,
+    nodes: int,
     token_ids: Tensor | None = None,
 ) -> DraftTree:
-    """The tree ``TreeBuilder(root_tokens, topk, total_tokens, depth=1)`` gives after one
-    ``step(logprobs, token_ids)`` and ``finalize(pad_to=total_tokens)``, built directly.
+    """The tree ``TreeBuilder(root_tokens, topk, nodes, passes=1)`` gives after one
+    ``step(logprobs, token_ids)`` and ``finalize(pad_to=nodes)``, built directly.
 
-    A one-pass tree is the root and its best ``min(topk, total_tokens - 1)`` children,
+    A one-pass tree is the root and its best ``min(topk, nodes - 1)`` children,
     in the builder's order. This is the shape the sizer picks most often at batch 1, and
     here it costs a top-k and two tiny sorts instead of the builder's bookkeeping for
     later levels. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
     """
-    if topk < 1 or total_tokens < 1:
-        raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
+    if topk < 1 or nodes < 1:
+        raise ValueError(f"topk and nodes must be >= 1, got {topk}, {nodes}")
     root_tokens = root_tokens.reshape(-1).long()
     b, dev = root_tokens.shape[0], root_tokens.device
     logprobs = logprobs.reshape(b, -1)
     if logprobs.shape[1] < topk:
         raise ValueError(f"vocab size {logprobs.shape[1]} < topk {topk}")
-    m = min(topk, total_tokens - 1)
-    width = int(total_tokens)
+    m = min(topk, nodes - 1)
+    width = int(nodes)
     if m == 0:
         return root_only_tree(root_tokens, width)
     vals, idx = _ranked_children(logprobs, topk, token_ids)

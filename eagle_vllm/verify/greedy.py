@@ -1,5 +1,6 @@
 """Greedy verification of a batched draft tree, plus the result type and tree helpers
-shared by every verification rule (pure torch, no vLLM imports).
+shared by every verification rule (pure torch, no vLLM imports). Its oracle,
+:func:`eagle_vllm.verify.reference.greedy_verify`, walks full ``[B, N, V]`` rows.
 
 Tree convention (shared with the runner):
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VerifyResult", "greedy_verify", "greedy_verify_choices", "greedy_walk_lists"]
+__all__ = ["VerifyResult", "greedy_verify_choices", "greedy_walk_lists"]
 
 
 @dataclass
@@ -160,32 +161,16 @@ def _walk_tree(
     return rec.finish(final)
 
 
-def greedy_verify(
-    tokens: Tensor, parents: Tensor, num_nodes: Tensor, target_logits: Tensor
-) -> VerifyResult:
-    """Greedy (argmax) verification: the longest path the target's argmax agrees with.
-
-    At node ``u`` the target's choice is ``y = argmax(target_logits[:, u])``; if a child
-    of ``u`` carries ``y`` the walk moves there, otherwise it stops and ``y`` is the
-    bonus token.  ``target_logits`` may be logits or probabilities (only the argmax is
-    used; ties go to the lowest token id, like ``torch.argmax``).
-
-    Args:
-        tokens: ``[B, N] int64`` node tokens (root at 0, ``-1`` padding).
-        parents: ``[B, N] int64`` parent indices (``-1`` for root and padding).
-        num_nodes: ``[B] int64`` nodes per tree including the root.
-        target_logits: ``[B, N, V]`` target logits/probs after each node.
-    """
-    _check_tree_inputs(tokens, parents, num_nodes, target_logits)
-    # [B, N]: cheap, so do every node at once
-    return greedy_verify_choices(tokens, parents, num_nodes, target_logits.argmax(dim=-1))
-
-
 def greedy_verify_choices(
     tokens: Tensor, parents: Tensor, num_nodes: Tensor, choice: Tensor
 ) -> VerifyResult:
-    """:func:`greedy_verify` from the target's choice at every node, ``choice [B, N]``
-    (the argmax of node u's target row): the caller never materialises ``[B, N, V]``."""
+    """Greedy (argmax) verification from the target's choice at every node: the longest
+    path the target's argmax agrees with.
+
+    ``choice [B, N]`` is the argmax of node ``u``'s target row, so the caller never
+    materialises ``[B, N, V]``. At node ``u`` the target's choice is ``y = choice[:, u]``;
+    if a child of ``u`` carries ``y`` the walk moves there (the first such child),
+    otherwise it stops and ``y`` is the bonus token."""
     if choice.shape != tokens.shape:
         raise ValueError(f"choice must be [B, N] like tokens {tuple(tokens.shape)}, "
                          f"got {tuple(choice.shape)}")  # fmt: skip

@@ -14,11 +14,12 @@ sampler too (``engine/sampler.py``), so it does not matter which of them decides
 whatever the platform's sampler does with the generator (vLLM 0.32 on CPU draws a
 seed from it for a fused Gumbel-max; on CUDA, Exp(1) values for an exponential race).
 
-Exactness is unaffected: along a sequence each position's uniform is used for
-one draw, and uniforms at distinct positions are independent draws of a
-well-mixed 64-bit hash (SplitMix64's finaliser), so every emitted token is an
-exact draw from its distribution. Pure torch, vectorised, the same on every
-device and tensor-parallel rank.
+Exactness is unaffected: along a sequence each position's key seeds one draw,
+and keys at distinct positions are independent values of a well-mixed 64-bit
+hash (SplitMix64's finaliser), so every emitted token is an exact draw from its
+distribution. Pure torch, vectorised, the same on every device and
+tensor-parallel rank. ``eagle_vllm.verify.reference.position_uniforms`` reads the
+keys as uniforms, for the tests of that independence.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
 
 # Separate streams for separate uses of one (seed, position).
-DOMAIN_WALK = 1  # the verifier's draw at a tree/chain node
-DOMAIN_SAMPLER = 2  # vLLM's sampler (bonus / plain next-token draws)
+DOMAIN_WALK = 1  # reserved: the walk's own uniforms (now only reference.position_uniforms)
+DOMAIN_SAMPLER = 2  # vLLM's sampler: every seeded draw (walk, bonus, plain next-token)
 
 
 def _shr(x: Tensor, k: int) -> Tensor:
@@ -55,12 +56,6 @@ def position_keys(seeds: Tensor, positions: Tensor, domain: int) -> Tensor:
     seeds = seeds.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
     k = mix64(seeds * _GOLDEN + domain)
     return mix64(k + positions.to(torch.int64) * _GOLDEN)
-
-
-def position_uniforms(seeds: Tensor, positions: Tensor, domain: int = DOMAIN_WALK) -> Tensor:
-    """float64 uniforms in [0, 1), one per (seed, position), 53 random bits each."""
-    bits = _shr(position_keys(seeds, positions, domain), 11)
-    return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
 def position_generator(

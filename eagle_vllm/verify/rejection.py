@@ -2,22 +2,21 @@
 
 Pure torch, no vLLM imports.  The tree convention is the one documented in
 :mod:`eagle_vllm.verify.greedy`.  The rules and their proofs are written out in
-``docs/lossless-verification.md``; in short:
+``docs/lossless-verification.md``; the two served here:
 
-* :func:`deterministic_tree_verify` -- at node ``u`` draw ``y ~ p_u``; if a child of
-  ``u`` carries ``y`` move there, otherwise emit ``y``.  Exact for ANY tree (tokens
-  and shape) that does not depend on the verifier's random draws: top-k / argmax
-  drafts, the EAGLE-2 dynamic tree, sampled drafts, anything.  Needs no draft
-  probabilities.  :func:`tree_verify_with_draws` is the same walk with the caller's
-  sampler, drawing at the visited nodes only.
-* :func:`sampled_tree_verify` -- recursive rejection sampling (SpecInfer / RSD) for
-  children SAMPLED from the draft distribution ``q`` of their parent:
-  ``replacement=True``: siblings are i.i.d. draws from ``q``;
-  ``replacement=False``: siblings are drawn sequentially without replacement
-  (each from ``q`` with the earlier siblings removed and renormalised).
-  Using it on deterministic (top-k) children is NOT lossless.
-* :func:`sampled_chain_verify` -- the single-child case (standard speculative
-  sampling), vectorised over depth.
+* :func:`tree_verify_with_draws` -- rule C: at node ``u`` draw ``y ~ p_u`` with the
+  caller's sampler; if a child of ``u`` carries ``y`` move there, otherwise emit ``y``.
+  Exact for ANY tree (tokens and shape) that does not depend on the verifier's random
+  draws: top-k / argmax drafts, the EAGLE-2 dynamic tree, sampled drafts, anything.
+  Needs no draft probabilities, and draws at the visited nodes only.
+* :func:`sampled_chain_verify` -- standard speculative sampling of a chain whose drafts
+  were SAMPLED from the draft distribution ``q`` of their parent, vectorised over depth.
+  Using it on deterministic (argmax) drafts is NOT lossless.
+
+Their oracles live in :mod:`eagle_vllm.verify.reference`:
+``deterministic_tree_verify`` (rule C over every node's target probabilities) and
+``sampled_tree_verify`` (recursive rejection sampling over sampled trees, SpecInfer /
+RSD; on a chain it gives :func:`sampled_chain_verify`'s outputs).
 
 Randomness.  Every draw for request ``b`` comes from ``generators[b]`` (``None``:
 torch's default generator for that device).  Request ``b`` draws exactly
@@ -39,17 +38,16 @@ from eagle_vllm.verify.greedy import (
     VerifyResult,
     _check_tree_inputs,
     _draft_mask,
-    _masked_parents,
     _PathRecorder,
     _walk_tree,
 )
 
 __all__ = [
-    "deterministic_tree_verify",
-    "tree_verify_with_draws",
-    "sampled_chain_verify",
-    "sampled_tree_verify",
     "chain_parents",
+    "draw_uniforms",
+    "sample_from_probs",
+    "sampled_chain_verify",
+    "tree_verify_with_draws",
 ]
 
 Generators = Sequence[torch.Generator | None] | None
@@ -124,23 +122,6 @@ def _residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def _child_links(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor]:
-    """``first_child [B, N]`` and ``next_sibling [B, N]`` (``-1`` when none), siblings
-    ordered by node index.  One backwards scan over the N slots (no [B, N, N])."""
-    B, N = parents.shape
-    par = _masked_parents(parents, num_nodes)  # -2 for root/padding
-    slot = torch.where(par >= 0, par, N)  # padding writes to a dummy column N
-    first = torch.full((B, N + 1), -1, dtype=torch.long, device=parents.device)
-    nxt = torch.full((B, N), -1, dtype=torch.long, device=parents.device)
-    for i in range(N - 1, 0, -1):
-        s = slot[:, i : i + 1]
-        # scanning downwards, first[s] holds the smallest j > i under the same parent
-        nxt[:, i] = first.gather(1, s).squeeze(1)
-        first.scatter_(1, s, i)
-    next_sibling = torch.where(par >= 0, nxt, -1)
-    return first[:, :N].contiguous(), next_sibling
-
-
 def _gather_rows(rows: Tensor, node: Tensor) -> Tensor:
     """``rows[b, node[b], :]`` -> ``[B, V]``."""
     B = rows.shape[0]
@@ -150,49 +131,23 @@ def _gather_rows(rows: Tensor, node: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- rules
 
 
-def deterministic_tree_verify(
-    tokens: Tensor,
-    parents: Tensor,
-    num_nodes: Tensor,
-    target_probs: Tensor,
-    generators: Generators = None,
-) -> VerifyResult:
-    """Exact verification of candidates that do not depend on the verifier's randomness
-    (top-k / argmax drafts, EAGLE-2 dynamic trees; sampled drafts are fine too).
-
-    At node ``u`` draw ``y ~ p_u`` (``target_probs[:, u]``, normalised internally);
-    if a child of ``u`` carries ``y`` move to the first such child, else stop and emit
-    ``y``.  The emitted tokens are then distributed exactly as the target samples
-    them.  This equals SGLang's / SafeAILab's sequential target-only rule ("accept
-    sibling x with p(x), else zero it out and renormalise") at thresholds 1.
-
-    The draw at node ``u`` uses uniform ``u`` of the request (see module docstring).
-    :func:`tree_verify_with_draws` is the same rule with the draws left to the caller.
-    """
-    _check_tree_inputs(tokens, parents, num_nodes, target_probs)
-    B, N = tokens.shape
-    u = draw_uniforms(generators, num_nodes, N, target_probs.device)
-
-    def choose(cur: Tensor) -> Tensor:
-        coin = u.gather(1, cur.unsqueeze(1)).squeeze(1)
-        return sample_from_probs(_gather_rows(target_probs, cur), coin)
-
-    return _walk_tree(tokens, parents, num_nodes, choose)
-
-
 def tree_verify_with_draws(
     tokens: Tensor,
     parents: Tensor,
     num_nodes: Tensor,
     draw: Callable[[Tensor, Tensor], Tensor],
 ) -> VerifyResult:
-    """:func:`deterministic_tree_verify` with the caller's draws: ``draw(rows, nodes)``
-    returns, for each request ``rows[i]``, a token drawn from the target's distribution
-    after node ``nodes[i]``, independently of every other draw. It is called once per
-    depth, with the requests still walking only, and never twice on one node, so
-    a draw is made for the visited nodes alone (at most the accepted path plus one per
-    request, instead of a row of every node). Exact for the same trees, with any exact
-    sampler: the glue uses vLLM's own, so a draw is the one vLLM would make.
+    """Exact verification of candidates that do not depend on the verifier's randomness
+    (rule C), with the caller's draws.
+
+    At node ``u`` draw ``y ~ p_u``; if a child of ``u`` carries ``y`` move to the first
+    such child, else stop and emit ``y``. ``draw(rows, nodes)`` returns, for each request
+    ``rows[i]``, a token drawn from the target's distribution after node ``nodes[i]``,
+    independently of every other draw. It is called once per depth, with the requests
+    still walking only, and never twice on one node, so a draw is made for the visited
+    nodes alone (at most the accepted path plus one per request, instead of a row of
+    every node). Exact with any exact sampler: the glue uses vLLM's own, so a draw is the
+    one vLLM would make. Oracle: :func:`eagle_vllm.verify.reference.deterministic_tree_verify`.
     """
     B, N = tokens.shape
     if parents.shape != (B, N) or num_nodes.shape != (B,):
@@ -201,96 +156,6 @@ def tree_verify_with_draws(
             f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(num_nodes.shape)}"
         )
     return _walk_tree(tokens, parents, num_nodes, draw, active_rows_only=True)
-
-
-def sampled_tree_verify(
-    tokens: Tensor,
-    parents: Tensor,
-    num_nodes: Tensor,
-    target_probs: Tensor,
-    draft_probs: Tensor,
-    replacement: bool,
-    generators: Generators = None,
-) -> VerifyResult:
-    """Recursive rejection sampling over a tree whose children were SAMPLED from the
-    draft distribution ``q_u = draft_probs[:, u]`` of their parent ``u``.
-
-    At node ``u`` with children ``x_1, x_2, ...`` (index order) and ``p_1 = p_u``:
-    accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))`` (then continue at
-    that child); on rejection ``p_{i+1} = norm(max(0, p_i - q_i))``.  If every child
-    is rejected (or there are none) the final token is drawn from the current
-    residual ``p_{k+1}``.
-
-    ``replacement=True`` (SpecInfer, i.i.d. siblings): ``q_i = q_u``; duplicate
-    siblings are allowed and handled exactly.  ``replacement=False`` (RSD, siblings
-    drawn without replacement): ``q_i`` is ``q_u`` with the earlier siblings zeroed and
-    renormalised.
-
-    Outside the sampling contract (documented, not exact): a sibling with
-    ``q_i(x) = 0`` is accepted iff ``p_i(x) > 0`` (``min(1, p/0)``); with
-    ``replacement=False`` a duplicate sibling, or one met after ``q`` is exhausted, is
-    skipped.  Rows are normalised internally; the computation runs in float64 when
-    any probability input is float64, else float32.
-    """
-    _check_tree_inputs(tokens, parents, num_nodes, target_probs, draft_probs)
-    B, N = tokens.shape
-    V = target_probs.shape[-1]
-    device = target_probs.device
-    dt = _compute_dtype(target_probs, draft_probs)
-    ar = torch.arange(B, device=device)
-    toks = tokens.to(torch.long)
-    u = draw_uniforms(generators, num_nodes, N, device)
-    first_child, next_sibling = _child_links(parents, num_nodes)
-
-    rec = _PathRecorder(B, N, device)
-    p_cur = _normalise(target_probs[:, 0].to(dt))  # residual target at the current node
-    q_base = _normalise(draft_probs[:, 0].to(dt))  # draft distribution at the current node
-    tried = torch.zeros((B, V), dtype=torch.bool, device=device)  # siblings rejected here
-    cand = first_child[:, 0].clone()  # candidate child under examination, -1: none left
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    final = torch.zeros(B, dtype=torch.long, device=device)
-    zero = torch.zeros((), dtype=dt, device=device)
-
-    for _ in range(N + 1):  # each row examines each node at most once, then finishes
-        has = cand >= 0
-        fin = active & ~has
-        if bool(fin.any()):
-            y = sample_from_probs(p_cur, u[:, 0])
-            final = torch.where(fin, y, final)
-        active = active & has
-        if not bool(active.any()):
-            break
-        c = cand.clamp_min(0)
-        x = toks.gather(1, c.unsqueeze(1)).squeeze(1).clamp(0, V - 1)  # guard padding/root
-        if replacement:
-            q_i = q_base
-            skip = torch.zeros_like(active)
-        else:
-            q_masked = torch.where(tried, zero, q_base)
-            mass = q_masked.sum(dim=-1, keepdim=True)
-            q_i = torch.where(mass > 0, q_masked / mass.clamp_min(torch.finfo(dt).tiny), zero)
-            skip = tried.gather(1, x.unsqueeze(1)).squeeze(1) | (mass.squeeze(1) <= 0)
-        px = p_cur.gather(1, x.unsqueeze(1)).squeeze(1).double()
-        qx = q_i.gather(1, x.unsqueeze(1)).squeeze(1).double()
-        coin = u.gather(1, c.unsqueeze(1)).squeeze(1)  # float64
-        # P(coin * q < p) = min(1, p / q) for q > 0; for q == 0 it is [p > 0]
-        ok = coin * qx < px
-        acc = active & ~skip & ok
-        rej = active & ~skip & ~ok
-        mov = active & skip
-
-        rec.accept(acc, c, toks[ar, c])
-        p_next = _normalise(_gather_rows(target_probs, c).to(dt))
-        q_next = _normalise(_gather_rows(draft_probs, c).to(dt))
-        p_cur = torch.where(
-            acc.unsqueeze(1), p_next, torch.where(rej.unsqueeze(1), _residual(p_cur, q_i), p_cur)
-        )
-        q_base = torch.where(acc.unsqueeze(1), q_next, q_base)
-        tried = tried & ~acc.unsqueeze(1)
-        tried.scatter_(1, x.unsqueeze(1), tried.gather(1, x.unsqueeze(1)) | rej.unsqueeze(1))
-        nxt = next_sibling[ar, c]
-        cand = torch.where(acc, first_child[ar, c], torch.where(rej | mov, nxt, cand))
-    return rec.finish(final)
 
 
 def sampled_chain_verify(
@@ -306,10 +171,12 @@ def sampled_chain_verify(
     stop at the first rejection and draw the correction from ``norm(max(0, p - q))``
     at the rejecting parent, or the bonus from ``p`` after the last node.
 
-    Same arguments as :func:`sampled_tree_verify` (``replacement`` is meaningless for a
-    single child).  ``parents`` may be ``None``; if given it must describe a chain
-    (checked, one host sync).  Uses the same uniforms as the tree version, so both
-    give identical outputs for identical generators.
+    ``tokens``, ``num_nodes`` as for a tree; ``target_probs`` / ``draft_probs``
+    ``[B, N, V]``: ``p`` and ``q`` after each node (normalised internally; float64 when
+    either is, else float32); ``generators``: see the module docstring. ``parents`` may be
+    ``None``; if given it must describe a chain (checked, one host sync).  Uses the same
+    uniforms as the oracle :func:`eagle_vllm.verify.reference.sampled_tree_verify`, so
+    both give identical outputs for identical generators.
     """
     B, N = tokens.shape
     if parents is None:

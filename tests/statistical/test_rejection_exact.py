@@ -32,11 +32,10 @@ from scipy import stats
 from eagle_vllm.verify import (
     VerifyResult,
     chain_parents,
-    deterministic_tree_verify,
     sampled_chain_verify,
-    sampled_tree_verify,
     tree_verify_with_draws,
 )
+from eagle_vllm.verify.reference import deterministic_tree_verify, sampled_tree_verify
 
 torch.set_num_threads(1)
 

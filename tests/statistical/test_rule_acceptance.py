@@ -1,4 +1,4 @@
-"""The closed forms of benchmarks/rule_acceptance.py agree with the verifiers they describe."""
+"""The closed forms of benchmarks/micro/rule_acceptance.py agree with the verifiers they describe."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "micro"))
 
 from rule_acceptance import rule_acceptance  # noqa: E402
 
-from eagle_vllm.verify.rejection import deterministic_tree_verify, sampled_tree_verify  # noqa: E402
+from eagle_vllm.verify.reference import deterministic_tree_verify, sampled_tree_verify  # noqa: E402
 
 SAMPLES = 100_000
 

@@ -6,11 +6,8 @@ import torch
 from scipy import stats
 
 from eagle_vllm.verify import tree_verify_with_draws
-from eagle_vllm.verify.position_rng import (
-    DOMAIN_SAMPLER,
-    position_generator,
-    position_uniforms,
-)
+from eagle_vllm.verify.position_rng import DOMAIN_SAMPLER, position_generator
+from eagle_vllm.verify.reference import position_uniforms
 
 V = 6
 

@@ -2,7 +2,8 @@
 
 The builder is checked against a brute-force pure-Python reference of the
 expand + rerank procedure, against a port of SafeAILab's ``topK_genrate``
-selection logic, and against hand-worked tie cases.
+selection logic, and against hand-worked tie cases; its trees' shape through the
+oracles of ``eagle_vllm.tree.reference``, themselves checked per node here.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import pytest
 import torch
 
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
-from eagle_vllm.tree.layout import (
-    DraftTree,
+from eagle_vllm.tree.layout import DraftTree, ancestor_mask_from_parents
+from eagle_vllm.tree.reference import (
     ancestor_mask,
-    ancestor_mask_from_parents,
     chain_tree,
     check_tree,
     children_arrays,
     leaf_mask,
+    num_candidates,
+    num_rows,
     retrieve_indices,
     truncate,
 )
@@ -74,10 +76,10 @@ class FakeDraft:
         return self.cache[key]
 
 
-def run_builder(roots, topk, total_tokens, depth, draft, pad_to=None, order="rank"):
+def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank"):
     """Drive TreeBuilder like the runner would; returns (tree, all_logprobs)."""
     bsz = len(roots)
-    tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, total_tokens, depth)
+    tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, nodes, passes)
     fr = tb.frontier()
     assert fr.width == 1 and fr.depth == 0
     assert fr.tokens[:, 0].tolist() == list(roots)
@@ -85,7 +87,7 @@ def run_builder(roots, topk, total_tokens, depth, draft, pad_to=None, order="ran
     all_lp = []
     prev_rows = fr.rows
     prev_anc = fr.ancestor_rows
-    for d in range(depth):
+    for d in range(passes):
         lp = torch.stack(
             [torch.stack([torch.from_numpy(draft(b, p)) for p in paths[b]]) for b in range(bsz)]
         )
@@ -107,11 +109,11 @@ def run_builder(roots, topk, total_tokens, depth, draft, pad_to=None, order="ran
         assert torch.equal(fr.ancestor_rows, exp_anc)
         assert int(fr.rows[0]) == int(prev_rows[-1]) + 1
         prev_rows, prev_anc = fr.rows, fr.ancestor_rows
-    assert tb.steps_done == depth
+    assert tb.passes_done == passes
     tree = tb.finalize(pad_to=pad_to, order=order)
     lp_all = torch.cat(all_lp, dim=1) if all_lp else None
     if lp_all is not None:
-        assert lp_all.shape[1] == TreeBuilder.num_rows(topk, depth)
+        assert lp_all.shape[1] == num_rows(topk, passes)
     return tree, lp_all
 
 
@@ -122,7 +124,7 @@ def f32(x) -> np.float32:
     return np.float32(x)
 
 
-def reference(root, draft_b, topk, depth, total_tokens, order="rank"):
+def reference(root, draft_b, topk, passes, nodes, order="rank"):
     """Pure-Python EAGLE-2 expand + rerank for one request.
 
     Returns (selected nodes in output order, all candidates); each node is a
@@ -131,7 +133,7 @@ def reference(root, draft_b, topk, depth, total_tokens, order="rank"):
     cands = []
     frontier = [dict(id=0, path=(root,), score=f32(0.0), row=0)]
     next_row, nid = 1, 1
-    for d in range(1, depth + 1):
+    for d in range(1, passes + 1):
         children = []
         for fn in frontier:
             lp = draft_b(fn["path"])
@@ -157,7 +159,7 @@ def reference(root, draft_b, topk, depth, total_tokens, order="rank"):
             for j, c in enumerate(best)
         ]
         next_row += len(best)
-    m = max(0, min(total_tokens - 1, len(cands)))
+    m = max(0, min(nodes - 1, len(cands)))
     sel = sorted(cands, key=lambda c: (-c["score"], c["depth"], c["id"]))[:m]
     if order == "id":
         sel.sort(key=lambda c: c["id"])
@@ -174,7 +176,9 @@ def brute_ancestor_mask(parents, n_nodes, width):
     return mask
 
 
-def check_against_reference(tree: DraftTree, lp_all, roots, topk, depth, tts, draft, order="rank"):
+def check_against_reference(
+    tree: DraftTree, lp_all, roots, topk, passes, budgets, draft, order="rank"
+):
     check_tree(tree)
     bsz = len(roots)
     width = tree.max_nodes
@@ -184,7 +188,9 @@ def check_against_reference(tree: DraftTree, lp_all, roots, topk, depth, tts, dr
     leaves = leaf_mask(tree).tolist()
     ri = retrieve_indices(tree).tolist()
     for b in range(bsz):
-        sel, cands = reference(roots[b], lambda p, b=b: draft(b, p), topk, depth, tts[b], order)
+        sel, cands = reference(
+            roots[b], lambda p, b=b: draft(b, p), topk, passes, budgets[b], order
+        )
         n = len(sel) + 1
         assert int(tree.num_nodes[b]) == n
         pos = {0: 0}
@@ -253,25 +259,25 @@ def random_case(seed: int, mode: str):
     rng = np.random.RandomState(seed)
     topk = int(rng.randint(1, 6))
     vocab = topk if mode == "inf" else int(rng.randint(max(5, topk + 1), 51))
-    depth = int(rng.randint(1, 7))
+    passes = int(rng.randint(1, 7))
     bsz = int(rng.randint(1, 5))
-    tts = [int(x) for x in rng.randint(1, 41, size=bsz)]
+    budgets = [int(x) for x in rng.randint(1, 41, size=bsz)]
     roots = [int(x) for x in rng.randint(0, vocab, size=bsz)]
-    return rng, topk, vocab, depth, roots, tts
+    return rng, topk, vocab, passes, roots, budgets
 
 
 @pytest.mark.parametrize("mode", ["cont", "quant", "inf"])
 def test_builder_matches_reference(mode):
     n_cases = {"cont": 120, "quant": 160, "inf": 60}[mode]
     for seed in range(n_cases):
-        rng, topk, vocab, depth, roots, tts = random_case(1000 * len(mode) + seed, mode)
+        rng, topk, vocab, passes, roots, budgets = random_case(1000 * len(mode) + seed, mode)
         draft = FakeDraft(rng, vocab, topk, mode)
-        tt_arg = torch.tensor(tts) if seed % 2 == 0 else tts[0]
-        if not isinstance(tt_arg, torch.Tensor):
-            tts = [tts[0]] * len(roots)
+        nodes = torch.tensor(budgets) if seed % 2 == 0 else budgets[0]
+        if not isinstance(nodes, torch.Tensor):
+            budgets = [budgets[0]] * len(roots)
         order = "rank" if seed % 3 else "id"
-        tree, lp_all = run_builder(roots, topk, tt_arg, depth, draft, order=order)
-        check_against_reference(tree, lp_all, roots, topk, depth, tts, draft, order)
+        tree, lp_all = run_builder(roots, topk, nodes, passes, draft, order=order)
+        check_against_reference(tree, lp_all, roots, topk, passes, budgets, draft, order)
 
 
 # --------------------------------------------------------------------------
@@ -329,8 +335,8 @@ def test_all_equal_scores_stay_connected():
 # --------------------------------------------------------------------------
 # SafeAILab port (selection logic of cnets.py topK_genrate, B = 1)
 # --------------------------------------------------------------------------
-def safeailab_select(root, draft, top_k, depth_ours, total_token):
-    sd = depth_ours - 1  # their `depth`: loop iterations after the root forward
+def safeailab_select(root, draft, top_k, passes, total_token):
+    sd = passes - 1  # their `depth`: loop iterations after the root forward
     scores_list, parents_list, ss_token = [], [], []
     last_p = torch.from_numpy(draft(0, (root,)))
     top = torch.topk(last_p, top_k, dim=-1)
@@ -374,13 +380,13 @@ def test_matches_safeailab_port():
         rng = np.random.RandomState(50_000 + seed)
         topk = int(rng.randint(1, 6))
         vocab = int(rng.randint(max(5, topk + 1), 51))
-        depth = int(rng.randint(1, 7))
-        n_cand = TreeBuilder.num_candidates(topk, depth)
+        passes = int(rng.randint(1, 7))
+        n_cand = num_candidates(topk, passes)
         total = int(rng.randint(2, n_cand + 2))
         draft = FakeDraft(rng, vocab, topk, "cont")
         root = int(rng.randint(vocab))
-        tree, _ = run_builder([root], topk, total, depth, draft, order="id")
-        toks, pars = safeailab_select(root, draft, topk, depth, total)
+        tree, _ = run_builder([root], topk, total, passes, draft, order="id")
+        toks, pars = safeailab_select(root, draft, topk, passes, total)
         assert tree.tokens[0].tolist() == toks
         assert tree.parents[0].tolist() == pars
         # their position ids = depths
@@ -402,18 +408,18 @@ def test_topk1_is_argmax_chain():
     for seed in range(40):
         rng = np.random.RandomState(7_000 + seed)
         vocab = int(rng.randint(5, 51))
-        depth = int(rng.randint(1, 7))
+        passes = int(rng.randint(1, 7))
         bsz = int(rng.randint(1, 5))
         roots = [int(x) for x in rng.randint(0, vocab, size=bsz)]
-        tts = [int(x) for x in rng.randint(1, 10, size=bsz)]
+        budgets = [int(x) for x in rng.randint(1, 10, size=bsz)]
         draft = FakeDraft(rng, vocab, 1, "cont")
-        tree, _ = run_builder(roots, 1, torch.tensor(tts), depth, draft)
+        tree, _ = run_builder(roots, 1, torch.tensor(budgets), passes, draft)
         check_tree(tree)
-        k = max(min(tts) - 1, 0)
+        k = max(min(budgets) - 1, 0)
         chains, lps, lens = [], [], []
         for b in range(bsz):
             path, toks, lp = (roots[b],), [], []
-            for _ in range(depth):
+            for _ in range(passes):
                 x = draft(b, path)
                 t = int(np.argmax(x))
                 toks.append(t)
@@ -421,7 +427,7 @@ def test_topk1_is_argmax_chain():
                 path = path + (t,)
             chains.append(toks)
             lps.append(lp)
-            lens.append(min(depth, tts[b] - 1))
+            lens.append(min(passes, budgets[b] - 1))
         ct = chain_tree(
             torch.tensor(chains),
             torch.tensor(roots),
@@ -456,9 +462,9 @@ def test_chain_tree_layout():
 
 def test_truncate_keeps_valid_prefix():
     for seed in range(40):
-        rng, topk, vocab, depth, roots, tts = random_case(90_000 + seed, "quant")
+        rng, topk, vocab, passes, roots, budgets = random_case(90_000 + seed, "quant")
         draft = FakeDraft(rng, vocab, topk, "quant")
-        tree, _ = run_builder(roots, topk, torch.tensor(tts), depth, draft)
+        tree, _ = run_builder(roots, topk, torch.tensor(budgets), passes, draft)
         bsz = len(roots)
         mx = torch.tensor(rng.randint(0, 42, size=bsz))
         for shrink in (True, False):
@@ -486,21 +492,21 @@ def test_per_request_budgets_and_pad_to():
     rng = np.random.RandomState(3)
     draft = FakeDraft(rng, 20, 3, "cont")
     roots = [1, 2, 3, 4]
-    tts = torch.tensor([1, 2, 9, 100])  # root only, one draft, 8 drafts, clamped
-    tree, lp = run_builder(roots, 3, tts, 4, draft)
-    n_cand = TreeBuilder.num_candidates(3, 4)
+    budgets = torch.tensor([1, 2, 9, 100])  # root only, one draft, 8 drafts, clamped
+    tree, lp = run_builder(roots, 3, budgets, 4, draft)
+    n_cand = num_candidates(3, 4)
     assert tree.num_nodes.tolist() == [1, 2, 9, n_cand + 1]
     assert tree.max_nodes == n_cand + 1
-    check_against_reference(tree, lp, roots, 3, 4, tts.tolist(), draft)
-    padded, _ = run_builder(roots, 3, tts, 4, draft, pad_to=64)
+    check_against_reference(tree, lp, roots, 3, 4, budgets.tolist(), draft)
+    padded, _ = run_builder(roots, 3, budgets, 4, draft, pad_to=64)
     assert padded.max_nodes == 64
     assert trees_equal(truncate(padded, padded.num_nodes), tree)
     # pad_to below the budget clamps it; in rank order a prefix is the
     # optimal smaller tree, so truncation == building with a smaller budget
-    small, _ = run_builder(roots, 3, tts, 4, draft, pad_to=5)
+    small, _ = run_builder(roots, 3, budgets, 4, draft, pad_to=5)
     assert small.num_nodes.tolist() == [1, 2, 5, 5]
     assert trees_equal(small, truncate(tree, 5))
-    small_id, lp = run_builder(roots, 3, tts.clamp(max=5), 4, draft, order="id")
+    small_id, lp = run_builder(roots, 3, budgets.clamp(max=5), 4, draft, order="id")
     check_against_reference(small_id, lp, roots, 3, 4, [1, 2, 5, 5], draft, "id")
 
 
@@ -512,24 +518,24 @@ def trees_equal(a: DraftTree, b: DraftTree) -> bool:
 
 
 def test_no_drafts():
-    tb = TreeBuilder(torch.tensor([3, 4]), topk=4, total_tokens=1, depth=3)
+    tb = TreeBuilder(torch.tensor([3, 4]), topk=4, nodes=1, passes=3)
     tree = tb.finalize()  # without any step
     check_tree(tree)
     assert tree.tokens.tolist() == [[3], [4]] and tree.num_nodes.tolist() == [1, 1]
-    tb = TreeBuilder(torch.tensor([3]), topk=2, total_tokens=5, depth=0)
+    tb = TreeBuilder(torch.tensor([3]), topk=2, nodes=5, passes=0)
     assert tb.finalize().num_nodes.tolist() == [1]
     with pytest.raises(RuntimeError):
         tb.step(torch.zeros(1, 1, 5))
 
 
 def test_partial_steps_and_errors():
-    tb = TreeBuilder(torch.tensor([0]), topk=2, total_tokens=10, depth=3)
+    tb = TreeBuilder(torch.tensor([0]), topk=2, nodes=10, passes=3)
     with pytest.raises(ValueError):
         tb.step(torch.zeros(1, 2, 5))  # wrong width
     with pytest.raises(ValueError):
         tb.step(torch.zeros(1, 1, 1))  # vocab < topk
     fr = tb.step(torch.log_softmax(torch.randn(1, 1, 6), -1))
-    tree = tb.finalize()  # finalize after fewer than `depth` steps
+    tree = tb.finalize()  # finalize after fewer than `passes` steps
     check_tree(tree)
     assert tree.num_nodes.tolist() == [3]
     assert fr.rows.tolist() == [1, 2]
@@ -537,7 +543,7 @@ def test_partial_steps_and_errors():
 
 def test_nan_and_positive_logprobs_are_sanitised():
     lp = torch.tensor([[[float("nan"), 1e-6, -1.0, -2.0, -3.0]]])
-    tb = TreeBuilder(torch.tensor([0]), topk=3, total_tokens=4, depth=1)
+    tb = TreeBuilder(torch.tensor([0]), topk=3, nodes=4, passes=1)
     tb.step(lp)
     tree = tb.finalize()
     check_tree(tree)
@@ -549,12 +555,12 @@ def test_reduced_vocabulary_columns_map_to_token_ids():
     """Drafting over a token subset (draft_vocab) gives the tree that the full vocabulary
     with -inf outside the subset gives."""
     gen = torch.Generator().manual_seed(3)
-    batch, vocab, sub, topk, depth = 3, 50, 12, 3, 3
+    batch, vocab, sub, topk, passes = 3, 50, 12, 3, 3
     token_ids = torch.randperm(vocab, generator=gen)[:sub]
     roots = torch.randint(0, vocab, (batch,), generator=gen)
-    full_b = TreeBuilder(roots, topk, 8, depth)
-    sub_b = TreeBuilder(roots, topk, 8, depth)
-    for _ in range(depth):
+    full_b = TreeBuilder(roots, topk, 8, passes)
+    sub_b = TreeBuilder(roots, topk, 8, passes)
+    for _ in range(passes):
         width = full_b.frontier().width
         logits = torch.randn(batch, width, sub, generator=gen)
         full = torch.full((batch, width, vocab), float("-inf"))
@@ -570,11 +576,11 @@ def test_caller_chosen_children_keep_their_order_and_scores():
     """Sampled drafting passes the children itself: they are used as given (draw order
     kept, no top-k), mapped through the reduced vocabulary, scored by their log-probs."""
     gen = torch.Generator().manual_seed(4)
-    batch, sub, depth = 2, 9, 3
+    batch, sub, passes = 2, 9, 3
     token_ids = torch.arange(100, 100 + sub)
-    builder = TreeBuilder(torch.tensor([5, 6]), 1, depth + 1, depth)
+    builder = TreeBuilder(torch.tensor([5, 6]), 1, passes + 1, passes)
     chosen, expected_score = [], torch.zeros(batch)
-    for _ in range(depth):
+    for _ in range(passes):
         logprobs = torch.log_softmax(torch.randn(batch, 1, sub, generator=gen), -1)
         # the least likely column: top-k would never pick it
         pick = logprobs.argmin(dim=-1, keepdim=True)
@@ -627,7 +633,7 @@ def test_depth_one_tree_equals_the_builder(seed, topk, total):
     token_ids = torch.randperm(1000, generator=g)[:v] if seed % 2 else None
     roots = torch.randint(0, 1000, (b,), generator=g)
 
-    builder = TreeBuilder(roots, topk, total, depth=1)
+    builder = TreeBuilder(roots, topk, total, passes=1)
     builder.step(logprobs, token_ids)
     expected = builder.finalize(pad_to=total)
     got = depth_one_tree(roots, logprobs, topk, total, token_ids)

@@ -9,11 +9,11 @@ import torch
 
 from eagle_vllm.verify import (
     VerifyResult,
-    greedy_verify,
     greedy_verify_choices,
     greedy_walk_lists,
     tree_verify_with_draws,
 )
+from eagle_vllm.verify.reference import greedy_verify
 
 torch.set_num_threads(1)
 
