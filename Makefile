@@ -41,10 +41,13 @@ lint:
 	$(VENV)/bin/ruff format --check eagle_vllm tests benchmarks examples
 
 # Every figure of BENCHMARKS.md in one command (about an hour on 2 cores): the side-by-side
-# table and plot (vanilla, ngram, vLLM's EAGLE, ours: chain, tree, auto) on MT-bench and
-# HumanEval at batch 1/4/16 and T=0/1, then throughput against concurrency 1 -> 64.
-# fp32: some of this project's machines had no AVX-512 BF16 (vLLM's bf16 linear then falls
-# back to slow torch GEMMs); fp32 keeps the figures comparable from session to session.
+# table and plot (`bench.py table`: vanilla, ngram, vLLM's EAGLE, ours: chain, tree, auto)
+# on MT-bench and HumanEval at batch 1/4/16 and T=0/1, then throughput against concurrency
+# 1 -> 64 (`bench.py curve`). Outputs: benchmarks/results/table-cpu.{md,json,png} and
+# curve-cpu.{md,json,png}.
+# fp32: on a CPU without AVX-512 BF16, vLLM's bf16 linear falls back to slow torch GEMMs,
+# so bf16 figures depend on the machine; fp32's do not, which keeps figures measured on
+# different machines comparable.
 bench:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
@@ -56,11 +59,11 @@ bench:
 		--config configs/eagle2-auto.yaml --prompts mtbench-turn2 --concurrency 1,4,16,64 \
 		--dtype float32 --enforce-eager --out benchmarks/results/sizing-profile-cpu.json \
 		--write-config benchmarks/results/eagle2-auto-calibrated.yaml
-	$(PY) benchmarks/bench.py --dtype float32 --batch-sizes 1,4,16 --temperatures 0,1 \
-		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/smollm2-cpu \
+	$(PY) benchmarks/bench.py table --dtype float32 --batch-sizes 1,4,16 --temperatures 0,1 \
+		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/table-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
-	$(PY) benchmarks/concurrency.py --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
-		--max-tokens 64 --reps 4 --out benchmarks/results/concurrency-cpu \
+	$(PY) benchmarks/bench.py curve --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
+		--max-tokens 64 --reps 4 --out benchmarks/results/curve-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
@@ -68,10 +71,10 @@ bench:
 # overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320 tokens, through
 # vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns the text it
 # must predict at serving time: 4308 usable conversations, 1.67M tokens. fp32 features.
-# It was trained in four runs across sessions 11-12, each resuming from state.pt with the
-# cosine schedule restarted over the new length (700, 1100, 2000, 3000 steps); the loop
-# replays them. Resumable at every stage. About 30 minutes of feature extraction and 65
-# of training on 2 cores.
+# It is trained in runs of growing length (REF_HEAD_STEPS: 700, 1100, 2000, 3000, 4000
+# steps), each resuming from state.pt with the cosine schedule restarted over the new
+# length, as the committed head was; the loop replays them. Resumable at every stage.
+# About 30 minutes of feature extraction and 65 of training on 2 cores.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STEPS := 700 1100 2000 3000 4000
 reference-head:
@@ -103,11 +106,12 @@ ablation-head:
 		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise none \
 		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(ABLATION_HEAD).log
 
-# Training data for the next reference head, made across sessions: the first user turns of
-# ShareGPT conversations 0-6000 answered by SmolLM2 itself (greedy, bf16: this CPU has
-# AVX-512 BF16 now, up to 320 tokens), 128 prompts per chunk. The answers so far are
-# committed in $(REGEN_DATA); this resumes after the last chunk there and copies the file
-# back (commit it). About 45-50 prompts a minute on 2 cores with nothing else running.
+# Training data for the next reference head, made a chunk at a time over several runs: the
+# first user turns of ShareGPT conversations 0-6000 answered by SmolLM2 itself (greedy,
+# bf16, which needs a CPU with AVX-512 BF16 to be fast; up to 320 tokens), 128 prompts per
+# chunk. The answers so far are committed in $(REGEN_DATA); this resumes after the last
+# chunk there and copies the file back (commit it). About 45-50 prompts a minute on 2
+# cores with nothing else running.
 REGEN_DATA := data/regen-sharegpt-0-6000
 REGEN_OUT := artifacts/regen-sharegpt-0-6000
 regen-data:

@@ -1,6 +1,62 @@
-"""Side-by-side speed of speculative decoding systems under vLLM, in one command.
+"""Side-by-side speed of speculative decoding systems under vLLM: ``make bench``'s figures.
 
-    .venv/bin/python benchmarks/bench.py --out benchmarks/results/latest
+    .venv/bin/python benchmarks/bench.py table --out benchmarks/results/latest
+    .venv/bin/python benchmarks/bench.py curve --out benchmarks/results/concurrency-latest
+
+``table``: every system on MT-bench and HumanEval at a few batch sizes and temperatures,
+side by side (tables and a bar plot). ``curve``: throughput against concurrency (1 -> 64
+requests in flight). Each system runs in its own engine process with the same settings;
+every ratio is against vanilla vLLM's same repetition. ``bench.py table --help`` and
+``bench.py curve --help`` describe each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    DEFAULT_AUTO_CONFIG,
+    DEFAULT_EAGLE2_CONFIG,
+    DEFAULT_EAGLE_CONFIG,
+    DEFAULT_HEAD,
+    DEFAULT_TARGET,
+    PLUGIN_SYSTEMS,
+    ROOT,
+    STOCK_SPEC_SYSTEMS,
+    build_engine,
+    check_systems,
+    command_line,
+    counters_delta,
+    engine_kwargs,
+    fmt_median,
+    load_prompts,
+    read_timings,
+    reset_timings,
+    run_as_worker,
+    run_systems,
+    shutdown,
+    sizer_bucket,
+    sizing_table,
+    spec_counters,
+    tau,
+    write_results,
+)
+
+TABLE_SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto")
+CURVE_SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
+
+TABLE_HELP = "every system side by side: tok/s, speedup, tau, time split (table, plot)"
+TABLE_DOC = """Side-by-side speed of speculative decoding systems under vLLM, in one command.
+
+    .venv/bin/python benchmarks/bench.py table --out benchmarks/results/latest
 
 Systems (each in its own engine process, one after the other, same settings):
 
@@ -30,129 +86,67 @@ only run at temperature 0 there.
 Output: ``OUT.json`` (all raw figures), ``OUT.md`` (tables), ``OUT.png`` (plot).
 """
 
-from __future__ import annotations
+CURVE_HELP = "throughput against concurrency 1 -> 64, as ratios to vanilla (table, curve)"
+CURVE_DOC = """Throughput against concurrency (1 -> 64 requests in flight), side by side, one command.
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
+    .venv/bin/python benchmarks/bench.py curve --out benchmarks/results/concurrency-latest
 
-ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto")
-OURS = ("eagle", "eagle2", "eagle2-auto")
-STOCK_SPEC = ("ngram", "vllm-eagle")
+For each system (its own engine process, same settings) and each concurrency c,
+c MT-bench first turns are submitted together and decoded to ``--max-tokens``;
+output tokens / wall seconds is the throughput. Every ratio is against vanilla's
+figure for the same c and repetition, reported as median [min-max].
 
+For ``eagle2-auto`` (``configs/eagle2-auto.yaml``, load-aware sizing) the table
+also shows which tree sizes the sizer chose at each concurrency. Every system runs
+each load once untimed (half the tokens, HumanEval prompts, so the timed MT-bench
+prompts meet a cold prefix cache) before timing it: steady state, which for
+eagle2-auto includes measuring its arms at that batch size.
 
-def _prompts(dataset: str, n: int, tokenizer) -> list[str]:
-    from eagle_vllm.datasets import humaneval_prompts, mtbench_prompts
-
-    if dataset == "mtbench":
-        return [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-            for q in mtbench_prompts(0)[:n]
-        ]
-    if dataset == "humaneval":
-        return humaneval_prompts()[:n]
-    raise SystemExit(f"error: unknown dataset '{dataset}' (use mtbench, humaneval)")
+Output: ``OUT.json`` (raw), ``OUT.md`` (table), ``OUT.png`` (curve).
+"""
 
 
-def _spec_counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name.removeprefix("vllm:spec_decode_")] = (
-                list(m.values) if hasattr(m, "values") else m.value
-            )
-    return out
+# -- table -----------------------------------------------------------------------------
 
 
-def _delta(after: dict, before: dict) -> dict:
-    out = {}
-    for k, v in after.items():
-        b = before.get(k, 0 if not isinstance(v, list) else [0] * len(v))
-        out[k] = [x - y for x, y in zip(v, b)] if isinstance(v, list) else v - b
-    return out
-
-
-def build_engine(system: str, args):
-    """The engine of one system; eagle-vllm systems go through eagle_vllm.LLM."""
-    common = dict(
-        dtype=args.dtype,
-        enforce_eager=True,
-        max_model_len=args.max_model_len,
-        disable_log_stats=False,
-        seed=0,
-        max_num_seqs=max(args.batch_sizes),
-    )
-    if system in OURS:
-        from eagle_vllm import LLM
-
-        config = {
-            "eagle": args.eagle_config,
-            "eagle2": args.eagle2_config,
-            "eagle2-auto": args.auto_config,
-        }[system]
-        return LLM(args.target, speculative_config=config, **common)
-    import vllm
-
-    if system == "vanilla":
-        return vllm.LLM(args.target, **common)
-    if system == "ngram":
-        spec = {
-            "method": "ngram",
-            "num_speculative_tokens": args.ngram_k,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2,
-        }
-        return vllm.LLM(args.target, speculative_config=spec, **common)
-    if system == "vllm-eagle":
-        spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.vllm_eagle_k}
-        return vllm.LLM(args.target, speculative_config=spec, **common)
-    raise SystemExit(f"error: unknown system '{system}' (use {', '.join(SYSTEMS)})")
-
-
-def run_worker(system: str, args) -> list[dict]:
+def run_table_worker(system: str, args) -> list[dict]:
     """Run every condition for one system in this process; one row per (condition, rep)."""
     from vllm import SamplingParams
 
-    llm = build_engine(system, args)
+    llm = build_engine(
+        system, args, **engine_kwargs(args.dtype, max(args.batch_sizes), args.max_model_len)
+    )
     tokenizer = llm.get_tokenizer()
-    ours = system in OURS
+    ours = system in PLUGIN_SYSTEMS
     rows = []
     # warm-up: first calls allocate and fill caches; one untimed batch per batch size
     # (eagle2-auto measures its arms per batch size; every system gets the same warm-up)
     llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    warm_prompts = _prompts(args.datasets[0], max(args.batch_sizes), tokenizer)
+    warm_prompts = load_prompts(args.datasets[0], max(args.batch_sizes), tokenizer)
     for batch in args.batch_sizes:
         llm.generate(warm_prompts[:batch], SamplingParams(max_tokens=32), use_tqdm=False)
     for rep in range(args.first_rep, args.first_rep + args.reps):
         for dataset in args.datasets:
             for temperature in args.temperatures:
-                if temperature > 0 and system in STOCK_SPEC and args.cpu:
+                if temperature > 0 and system in STOCK_SPEC_SYSTEMS and args.cpu:
                     continue
                 for batch in args.batch_sizes:
                     n = max(batch, args.num_prompts)
-                    prompts = _prompts(dataset, n, tokenizer)
+                    prompts = load_prompts(dataset, n, tokenizer)
                     # Sampled outputs differ between systems (each draws its own sample
                     # of the same distribution), so their lengths do: one early EOS in a
-                    # batch halved a row's tok/s (session 9). Sampled requests decode
-                    # max_tokens each; greedy ones stop where the target stops, the
-                    # same for every system (lossless).
+                    # batch can halve a row's tok/s. Sampled requests decode max_tokens
+                    # each; greedy ones stop where the target stops, the same for every
+                    # system (lossless).
                     params = SamplingParams(
                         temperature=temperature,
                         max_tokens=args.max_tokens,
                         seed=1000 + rep,
                         ignore_eos=temperature > 0,
                     )
-                    before = _spec_counters(llm)
+                    before = spec_counters(llm)
                     if ours:
-                        llm.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})
+                        reset_timings(llm)
                     tokens, start = 0, time.perf_counter()
                     for i in range(0, len(prompts), batch):
                         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
@@ -168,34 +162,17 @@ def run_worker(system: str, args) -> list[dict]:
                         tokens=tokens,
                         seconds=seconds,
                         tok_s=tokens / seconds,
-                        spec=_delta(_spec_counters(llm), before),
+                        spec=counters_delta(spec_counters(llm), before),
                     )
                     if ours:
-                        row["timings"] = llm.collective_rpc("eagle_vllm_timings")[0]
+                        row["timings"] = read_timings(llm)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "timings"}), flush=True)
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
+    shutdown(llm)
     return rows
 
 
-def _tau(spec: dict) -> float | None:
-    drafts = spec.get("num_drafts", 0)
-    return 1 + spec.get("num_accepted_tokens", 0) / drafts if drafts else None
-
-
-def _fmt(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return "n/a"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
-
-def summarise(rows: list[dict], systems: list[str]) -> tuple[str, list[dict]]:
+def summarise_table(rows: list[dict], systems: list[str]) -> tuple[str, list[dict]]:
     """Markdown tables: speed and ratios, acceptance, and the time split."""
     key = lambda r: (r["dataset"], r["temperature"], r["batch"])  # noqa: E731
     conditions = sorted({key(r) for r in rows})
@@ -215,7 +192,7 @@ def summarise(rows: list[dict], systems: list[str]) -> tuple[str, list[dict]]:
                 for r in mine
                 if (cond, r["rep"]) in vanilla
             ]
-            taus = [t for t in (_tau(r["spec"]) for r in mine) if t is not None]
+            taus = [t for t in (tau(r["spec"]) for r in mine) if t is not None]
             per_pos = None
             drafts = sum(r["spec"].get("num_drafts", 0) for r in mine)
             if drafts:
@@ -236,9 +213,9 @@ def summarise(rows: list[dict], systems: list[str]) -> tuple[str, list[dict]]:
             table.append(entry)
             lines.append(
                 f"| {cond[0]} | {cond[1]:g} | {cond[2]} | {system} | "
-                f"{_fmt([r['tok_s'] for r in mine], 1)} | "
-                f"{_fmt(ratios) if system != 'vanilla' else '1'} | "
-                f"{_fmt(taus) if taus else '-'} | {per_pos or '-'} |"
+                f"{fmt_median([r['tok_s'] for r in mine], 1)} | "
+                f"{fmt_median(ratios) if system != 'vanilla' else '1'} | "
+                f"{fmt_median(taus) if taus else '-'} | {per_pos or '-'} |"
             )
     split = [
         "",
@@ -273,14 +250,14 @@ def summarise(rows: list[dict], systems: list[str]) -> tuple[str, list[dict]]:
     return "\n".join(lines + split) + "\n", table
 
 
-def plot(table: list[dict], path: Path) -> None:
+def plot_table(table: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     conds = sorted({(t["dataset"], t["temperature"], t["batch"]) for t in table})
-    systems = [s for s in SYSTEMS if any(t["system"] == s for t in table) and s != "vanilla"]
+    systems = [s for s in TABLE_SYSTEMS if any(t["system"] == s for t in table) and s != "vanilla"]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(conds)), 4))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
@@ -303,72 +280,13 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def check_systems(systems: list[str], known) -> None:
-    """Refuse unknown systems, and runs without vanilla (every ratio is against it)."""
-    for system in systems:
-        if system not in known:
-            raise SystemExit(f"error: --systems: unknown '{system}' (use {', '.join(known)})")
-    if "vanilla" not in systems:
-        raise SystemExit("error: --systems must include vanilla: every ratio is against it")
-
-
-def run_as_worker(args, run_worker) -> bool:
-    """In a ``--worker SYSTEM`` child: run it and write its rows for ``run_systems``."""
-    if not args.worker:
-        return False
-    rows = run_worker(args.worker, args)
-    Path(args.out + f".{args.worker}.json").write_text(json.dumps(rows))
-    return True
-
-
-def run_systems(
-    script: str, systems: list[str], argv: list[str] | None, out: str, rounds: int = 0
-) -> list[dict]:
-    """Run ``script --worker SYSTEM`` for each system, one after the other, each in its own
-    process (its own engine, nothing shared); the worker writes its rows to
-    ``OUT.SYSTEM.json``. Same environment for all: KV cache size, thread binding, and
-    Intel OpenMP preloaded when the venv has it (vLLM's CPU recommendation).
-
-    ``rounds`` > 0: repetitions interleaved, round r runs every system once with
-    ``--reps 1 --first-rep r``, in reversed order every other round, so a slow phase of
-    this shared machine (vanilla's speed drifted 25% between two repetitions minutes
-    apart) lands on every system, not on the one that happened to run then."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.exists() and "LD_PRELOAD" not in env:
-        # vLLM's CPU install guide preloads Intel OpenMP; its CPU worker warns that
-        # speculative decoding loses much without it. Every system gets the same.
-        env["LD_PRELOAD"] = str(iomp)
-    print(f"LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
-    rows: list[dict] = []
-    cmd = [sys.executable, script, *(argv if argv is not None else sys.argv[1:])]
-    passes = [([], "")] if rounds <= 0 else [
-        (["--reps", "1", "--first-rep", str(r)], f", round {r + 1} of {rounds}")
-        for r in range(rounds)
-    ]  # fmt: skip
-    for r, (extra, label) in enumerate(passes):
-        # ABBA: a machine slowing down (or speeding up) steadily favours no system
-        for system in systems if r % 2 == 0 else systems[::-1]:
-            print(f"== {system}{label}", flush=True)
-            subprocess.run([*cmd, *extra, "--worker", system], env=env, check=True)
-            part = Path(out + f".{system}.json")
-            rows += json.loads(part.read_text())
-            part.unlink()
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
-    p.add_argument("--head", default=str(ROOT / "heads/smollm2-135m-instruct-eagle"))
-    p.add_argument("--eagle-config", default=str(ROOT / "configs/eagle.yaml"))
-    p.add_argument("--eagle2-config", default=str(ROOT / "configs/eagle2.yaml"))
-    p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+def add_table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--head", default=DEFAULT_HEAD)
+    p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
+    p.add_argument("--eagle2-config", default=DEFAULT_EAGLE2_CONFIG)
+    p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--systems", default=",".join(TABLE_SYSTEMS))
     p.add_argument("--datasets", default="mtbench,humaneval")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--temperatures", default="0,1")
@@ -382,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-eagle-k", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/latest"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def table(args, argv: list[str] | None) -> int:
     args.systems = args.systems.split(",")
     args.datasets = args.datasets.split(",")
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -391,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.cpu = current_platform.is_cpu()
 
-    if run_as_worker(args, run_worker):
+    if run_as_worker(args, run_table_worker):
         return 0
-    check_systems(args.systems, SYSTEMS)
+    check_systems(args.systems, TABLE_SYSTEMS)
     for path, what in ((args.target, "--target"), (args.head, "--head")):
         if not Path(path).is_dir():
             raise SystemExit(
@@ -402,20 +322,198 @@ def main(argv: list[str] | None = None) -> int:
             )
     started = time.time()
     rows = run_systems(__file__, args.systems, argv, args.out, rounds=args.reps)
-    md, table = summarise(rows, args.systems)
+    md, entries = summarise_table(rows, args.systems)
     header = (
         f"# Benchmark: {Path(args.target).name}, head {Path(args.head).name}\n\n"
-        f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench.py', *(argv or sys.argv[1:])])}`\n\n"
+        f"Command: `{command_line('benchmarks/bench.py', argv)}`\n\n"
         f"dtype {args.dtype}, enforce_eager, max_tokens {args.max_tokens}, "
         f"{args.num_prompts} prompts per condition (at least the batch size), {args.reps} reps; "
         f"eagle config `{Path(args.eagle_config).name}`, eagle2 config `{Path(args.eagle2_config).name}`; "
         f"wall time {time.time() - started:.0f} s.\n\n"
     )
-    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(header + md)
-    plot(table, Path(args.out + ".png"))
+    write_results(args.out, args, rows, header + md)
+    plot_table(entries, Path(args.out + ".png"))
     print(header + md)
     return 0
+
+
+# -- curve -----------------------------------------------------------------------------
+
+
+def run_curve_worker(system: str, args) -> list[dict]:
+    from vllm import SamplingParams
+
+    llm = build_engine(
+        system, args, **engine_kwargs(args.dtype, max(args.concurrency), args.max_model_len)
+    )
+    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
+    # warm-up loads use other prompts: the timed prompts' prefill is measured cold
+    # (a warm prefix cache would hand vanilla and eagle-vllm every full block, and
+    # vLLM's own EAGLE all but the last: it recomputes that one for its drafter)
+    warm_prompts = load_prompts("humaneval", 80, llm.get_tokenizer())
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    rows = []
+    for rep in range(args.first_rep, args.first_rep + args.reps):
+        for c in args.concurrency:
+            batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
+            # steady state: the same load once untimed (eagle2-auto measures its arms)
+            warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
+            warm_batch = [warm_prompts[(rep * 7 + i) % len(warm_prompts)] for i in range(c)]
+            llm.generate(warm_batch, warm, use_tqdm=False)
+            before = spec_counters(llm)
+            history_len = 0
+            if system == "eagle2-auto":
+                history_len = len(sizing_table(llm)["history"])
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            after = spec_counters(llm)
+            drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+            accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+            row = dict(
+                system=system,
+                rep=rep,
+                concurrency=c,
+                tokens=tokens,
+                seconds=seconds,
+                tok_s=tokens / seconds,
+                tau=1 + accepted / drafts if drafts else None,
+            )
+            if system == "eagle2-auto":
+                sizing = sizing_table(llm)
+                history = sizing["history"]
+                new = history[history_len:] if len(history) < 4096 else history[-200:]
+                row["arms"] = Counter(f"{d},{m}" for _, d, m in new).most_common(3)
+                # what the sizer believed after the run at this load (its batch bucket):
+                # expected tokens per request-step and seconds per step, per measured arm
+                bucket = sizer_bucket(sizing, c)
+                row["sizer"] = {
+                    arm: [v["expected_tokens"], v["seconds"]]
+                    for arm, v in bucket.items()
+                    if v["seconds"]
+                }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    shutdown(llm)
+    return rows
+
+
+def summarise_curve(rows: list[dict], systems: list[str], levels: list[int]) -> tuple[str, dict]:
+    vanilla = {(r["concurrency"], r["rep"]): r for r in rows if r["system"] == "vanilla"}
+    curve: dict[str, dict[int, float]] = {}
+    lines = [
+        "| concurrency | " + " | ".join(systems) + " | eagle2-auto's trees (passes,nodes: steps) |",
+        "|---|" + "---|" * len(systems) + "---|",
+    ]
+    for c in levels:
+        cells = []
+        for system in systems:
+            mine = [r for r in rows if r["system"] == system and r["concurrency"] == c]
+            speeds = [r["tok_s"] for r in mine]
+            ratios = [
+                r["tok_s"] / vanilla[(c, r["rep"])]["tok_s"]
+                for r in mine
+                if (c, r["rep"]) in vanilla
+            ]
+            if system == "vanilla":
+                cells.append(f"{fmt_median(speeds, 1)} tok/s")
+            else:
+                cells.append(f"{fmt_median(ratios)}x")
+            if ratios:
+                curve.setdefault(system, {})[c] = statistics.median(ratios)
+        arms = Counter()
+        for r in rows:
+            if r["system"] == "eagle2-auto" and r["concurrency"] == c:
+                arms.update({a: n for a, n in r.get("arms", [])})
+        arm_text = ", ".join(f"{a}: {n}" for a, n in arms.most_common(3)) or "-"
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {arm_text} |")
+    return "\n".join(lines) + "\n", curve
+
+
+def plot_curve(curve: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system, points in curve.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=system)
+    ax.axhline(1.0, color="black", lw=0.8, label="vanilla")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("throughput / vanilla vLLM (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_curve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
+    p.add_argument("--eagle2-config", default=DEFAULT_EAGLE2_CONFIG)
+    p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--systems", default=",".join(CURVE_SYSTEMS))
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/concurrency-latest"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+def curve(args, argv: list[str] | None) -> int:
+    args.systems = args.systems.split(",")
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    check_systems(args.systems, CURVE_SYSTEMS)
+    if run_as_worker(args, run_curve_worker):
+        return 0
+
+    started = time.time()
+    rows = run_systems(__file__, args.systems, argv, args.out, rounds=args.reps)
+    md, points = summarise_curve(rows, args.systems, args.concurrency)
+    header = (
+        f"# Throughput vs concurrency: {Path(args.target).name}\n\n"
+        f"Command: `{command_line('benchmarks/bench.py', argv)}`\n\n"
+        f"dtype {args.dtype}, enforce_eager, T={args.temperature:g}, {args.max_tokens} tokens "
+        f"per request, MT-bench first turns, {args.reps} reps; speculative systems as "
+        f"ratios to vanilla at the same concurrency; wall time {time.time() - started:.0f} s.\n\n"
+    )
+    write_results(args.out, args, rows, header + md)
+    plot_curve(points, Path(args.out + ".png"))
+    print(header + md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{table,curve}")
+    modes = {
+        "table": (TABLE_HELP, TABLE_DOC, add_table_args, table),
+        "curve": (CURVE_HELP, CURVE_DOC, add_curve_args, curve),
+    }
+    for name, (short, doc, add_args, _) in modes.items():
+        add_args(
+            sub.add_parser(
+                name,
+                help=short,
+                description=doc,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    args = p.parse_args(argv)
+    # the subcommand is in argv (workers rerun it); OUT.json keeps the mode's own arguments
+    command = vars(args).pop("command")
+    return modes[command][3](args, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,87 @@
-"""What one step costs: vanilla vs eagle2-auto pinned to drafts-off and to one draft.
+"""What an engine step costs, five ways: one mode per question.
 
-    .venv/bin/python benchmarks/step_profile.py --out benchmarks/results/step-profile-cpu
+    .venv/bin/python benchmarks/step_profile.py phases --out benchmarks/results/step-profile-cpu
+    .venv/bin/python benchmarks/step_profile.py periods --system auto --concurrency 4
+    .venv/bin/python benchmarks/step_profile.py cprofile --system off --concurrency 1
+    .venv/bin/python benchmarks/step_profile.py arms --arms 0,1 1,3 1,4 2,6 --reps 3
+    .venv/bin/python benchmarks/step_profile.py patterns --pattern auto on alt alt5 batchoff
 
-Systems (each its own engine process, same settings, ``bench.run_systems``):
+* ``phases``: vanilla against ``configs/eagle2-auto.yaml`` pinned to drafts-off, to one
+  draft, and free, each in its own engine process; the runner's phases in ms per step.
+* ``periods``: every engine step's wall time, grouped by what the step did.
+* ``cprofile``: cProfile of one timed ``generate()``.
+* ``arms``: each of the sizer's arms pinned in turn in one engine, phase by phase.
+* ``patterns``: acceptance around drafts-off steps, on the tests' tiny models.
+
+The systems (``common.SYSTEMS``): ``vanilla``; ``vanilla-timed`` / ``ngram-timed``
+(vanilla vLLM / vLLM's ngram set never to match, on the plugin's worker, whose runner
+times the same phases); ``off``, ``one-draft``, ``tree-1-4``, ``tree-2-6`` (the auto
+config with the sizer pinned through ``EAGLE_VLLM_SIZER_PIN``) and ``auto`` (free).
+``periods``, ``cprofile`` and ``arms`` run the engine in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler and their patches see the
+runner. ``step_profile.py MODE --help`` describes each mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    DEFAULT_AUTO_CONFIG,
+    DEFAULT_TARGET,
+    PINS,
+    ROOT,
+    build_engine,
+    check_systems,
+    command_line,
+    engine_kwargs,
+    fmt_median,
+    load_prompts,
+    read_timings,
+    reset_timings,
+    run_as_worker,
+    run_systems,
+    shutdown,
+    sizer_bucket,
+    sizing_table,
+    write_results,
+)
+
+SCRIPT = "benchmarks/step_profile.py"
+PHASES_SYSTEMS = ("vanilla", "vanilla-timed", "ngram-timed", "off", "one-draft", "auto")
+PERIODS_SYSTEMS = ("vanilla-timed", "off", "one-draft", "auto")
+CPROFILE_SYSTEMS = ("vanilla-timed", *PINS)  # off, one-draft, tree-1-4, tree-2-6, auto
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+
+
+def in_process_engine(system: str, args, concurrency: int):
+    """An fp32 eager engine in this process (the profiler and patches see its runner):
+    ``vanilla-timed`` or ``args.auto_config`` pinned per ``PINS``."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    kwargs = engine_kwargs("float32", max(concurrency, 1), log_stats=False)
+    return build_engine(system, args, **kwargs)
+
+
+# -- phases ----------------------------------------------------------------------------
+
+PHASES_DOC = """What one step costs: vanilla vs eagle2-auto pinned to drafts-off and to one draft.
+
+    .venv/bin/python benchmarks/step_profile.py phases --out benchmarks/results/step-profile-cpu
+
+Systems (each its own engine process, same settings, ``common.run_systems``):
 
 * ``vanilla``: vLLM without speculation;
 * ``off``: ``configs/eagle2-auto.yaml`` with every step pinned to no drafts
@@ -17,76 +96,27 @@ untimed warm-up on HumanEval prompts (cold prefix cache for the timed prompts). 
 output tokens/s, the ratio to vanilla, and the plugin's wall time per runner phase
 (``eagle_vllm_timings``) in ms per step. Output: ``OUT.md`` and ``OUT.json``.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import statistics
-import sys
-import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench import _fmt, _prompts, check_systems, run_as_worker, run_systems  # noqa: E402
-
-# vanilla-timed: vanilla vLLM (no speculation) on the plugin's worker, whose runner times
-# the same phases: a vanilla step's target forward beside the plugin's drafts-off step
-# ngram-timed: the same, with vLLM's ngram speculation set so it never finds a match (a
-# 40-token n-gram): vLLM's spec-decode path without a draft model, beside ``off``
-PINS = {
-    "vanilla": None,
-    "vanilla-timed": None,
-    "ngram-timed": None,
-    "off": "0,1",
-    "one-draft": "1,2",
-    "auto": None,
-}
 PHASES = ("target_forward", "verify", "draft", "draft_catch_up", "execute_model", "sample_tokens")
 
 
-def run_worker(system: str, args) -> list[dict]:
+def run_phases_worker(system: str, args) -> list[dict]:
     from vllm import SamplingParams
 
-    if PINS[system]:
-        os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[system]  # inherited by the engine
-    common = dict(dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0,
-                  disable_log_stats=False, max_num_seqs=max(args.concurrency))  # fmt: skip
-    if system == "vanilla":
-        import vllm
-
-        llm = vllm.LLM(args.target, **common)
-    elif system == "vanilla-timed":
-        import vllm
-
-        from eagle_vllm.config import WORKER_CLS
-
-        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, **common)
-    elif system == "ngram-timed":
-        import vllm
-
-        from eagle_vllm.config import WORKER_CLS
-
-        never = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 40,
-                 "prompt_lookup_max": 40}  # fmt: skip
-        llm = vllm.LLM(args.target, worker_cls=WORKER_CLS, speculative_config=never, **common)
-    else:
-        from eagle_vllm import LLM
-
-        llm = LLM(args.target, speculative_config=args.auto_config, **common)
+    # vanilla-timed: vanilla vLLM (no speculation) on the plugin's worker, whose runner times
+    # the same phases: a vanilla step's target forward beside the plugin's drafts-off step
+    # ngram-timed: the same, with vLLM's ngram speculation set so it never finds a match (a
+    # 40-token n-gram): vLLM's spec-decode path without a draft model, beside ``off``
+    llm = build_engine(system, args, **engine_kwargs(args.dtype, max(args.concurrency)))
     tokenizer = llm.get_tokenizer()
-    prompts = _prompts("mtbench", 80, tokenizer)
-    warm_prompts = _prompts("humaneval", 80, tokenizer)
+    prompts = load_prompts("mtbench", 80, tokenizer)
+    warm_prompts = load_prompts("humaneval", 80, tokenizer)
     rows = []
     for rep in range(args.reps):
         for c in args.concurrency:
             warm = SamplingParams(temperature=0, max_tokens=args.max_tokens // 2, ignore_eos=True)
             llm.generate(warm_prompts[(rep * 7) % 16 :][:c], warm, use_tqdm=False)
             if system != "vanilla":
-                llm.collective_rpc("eagle_vllm_timings", kwargs={"reset": True})
+                reset_timings(llm)
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
             batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
             start = time.perf_counter()
@@ -95,20 +125,17 @@ def run_worker(system: str, args) -> list[dict]:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             row = dict(system=system, rep=rep, concurrency=c, tok_s=tokens / seconds)
             if system != "vanilla":
-                timings = llm.collective_rpc("eagle_vllm_timings")[0]
+                timings = read_timings(llm)
                 row["ms_per_step"] = {
                     k: 1000 * v["seconds"] / max(v["calls"], 1) for k, v in timings.items()
                 }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
+    shutdown(llm)
     return rows
 
 
-def summarise(rows: list[dict], systems: list[str], levels: list[int]) -> str:
+def summarise_phases(rows: list[dict], systems: list[str], levels: list[int]) -> str:
     vanilla = {(r["concurrency"], r["rep"]): r["tok_s"] for r in rows if r["system"] == "vanilla"}
     lines = [
         "| concurrency | system | tok/s | vs vanilla | "
@@ -127,47 +154,468 @@ def summarise(rows: list[dict], systems: list[str], levels: list[int]) -> str:
                 for p in PHASES
             ]  # fmt: skip
             cells = ["-" if x is None else f"{x:.1f}" for x in phases]
-            ratio = "1" if system == "vanilla" else f"{_fmt(ratios)}x"
+            ratio = "1" if system == "vanilla" else f"{fmt_median(ratios)}x"
             lines.append(
-                f"| {c} | {system} | {_fmt(speeds, 1)} | {ratio} | " + " | ".join(cells) + " |"
+                f"| {c} | {system} | {fmt_median(speeds, 1)} | {ratio} | "
+                + " | ".join(cells)
+                + " |"
             )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--target", default=str(ROOT / "models/SmolLM2-135M-Instruct"))
-    p.add_argument("--auto-config", default=str(ROOT / "configs/eagle2-auto.yaml"))
-    p.add_argument("--systems", default=",".join(PINS))
+def add_phases_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--systems", default=",".join(PHASES_SYSTEMS))
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/step-profile-latest"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def phases(args, argv: list[str] | None) -> int:
     args.systems = args.systems.split(",")
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    check_systems(args.systems, PINS)
-    if run_as_worker(args, run_worker):
+    check_systems(args.systems, PHASES_SYSTEMS)
+    if run_as_worker(args, run_phases_worker):
         return 0
 
     started = time.time()
     rows = run_systems(__file__, args.systems, argv, args.out)
-    command = " ".join([".venv/bin/python", "benchmarks/step_profile.py", *(argv or sys.argv[1:])])
     md = (
-        f"# Step profile: {Path(args.target).name}\n\nCommand: `{command}`\n\n"
+        f"# Step profile: {Path(args.target).name}\n\n"
+        f"Command: `{command_line(SCRIPT, argv)}`\n\n"
         f"dtype {args.dtype}, enforce_eager, T=0, {args.max_tokens} tokens per request, "
         f"MT-bench first turns (warm-up on HumanEval), {args.reps} reps, median [min-max]; "
         f"phases from the plugin's runner timers; wall time {time.time() - started:.0f} s.\n\n"
-        + summarise(rows, args.systems, args.concurrency)
+        + summarise_phases(rows, args.systems, args.concurrency)
     )
-    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(md)
+    write_results(args.out, args, rows, md)
     print(md)
     return 0
+
+
+# -- periods ---------------------------------------------------------------------------
+
+PERIODS_DOC = """Wall time of every engine step, grouped by what the step did (in-process engine).
+
+    .venv/bin/python benchmarks/step_profile.py periods --system auto --concurrency 4
+    .venv/bin/python benchmarks/step_profile.py periods --system vanilla-timed --concurrency 4
+
+Systems as in ``cprofile``: ``vanilla-timed`` (vanilla vLLM on the plugin's worker),
+``off`` / ``one-draft`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one draft),
+``auto`` (the sizer's own choice). Each repetition serves ``--concurrency`` MT-bench
+first turns (``--prompts``; after an untimed load of the other set) and prints, per kind
+of step (prefill or decode; draft passes run in the step; tree nodes verified in it;
+batch size), the number of steps, the median period from one step's start to the next
+(what the sizer charges: runner phases plus vLLM's scheduling and output processing),
+the median drafting time, the deferred draft KV written, and the runner's own time.
+It tells whether two arms really cost the same at a load: when one draft per request
+and no drafts are within a few percent of each other, the sizer flips between them.
+"""
+
+
+def add_periods_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", choices=PERIODS_SYSTEMS, default="auto")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
+                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--reps", type=int, default=3)
+    add_model_args(p)
+
+
+def periods(args, argv: list[str] | None) -> int:
+    from vllm import SamplingParams
+
+    from eagle_vllm.engine import runner as runner_module
+    from eagle_vllm.engine import telemetry
+
+    steps: list[tuple] = []
+    step_period = telemetry.step_period
+    previous = {"kind": "prefill"}
+
+    def record(step, now: float):  # every step period the runner measures
+        period = step_period(step, now)
+        if period is None:
+            return None
+        kind = "decode" if step.decode_only else "prefill"
+        if kind == "decode" and previous["kind"] == "prefill":
+            kind = "decode, first after prefill"  # a suspected outlier, kept apart
+        previous["kind"] = "decode" if step.decode_only else "prefill"
+        key = (kind, step.passes, step.verified_nodes, step.batch)
+        steps.append((key, period, step.draft_seconds, step.catch_up_seconds,
+                      step.runner_seconds))  # fmt: skip
+        return period
+
+    runner_module.telemetry.step_period = record  # this process only: the engine runs in it
+
+    llm = in_process_engine(args.system, args, args.concurrency)
+    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[args.prompts]
+    prompts = load_prompts(args.prompts, 80, llm.get_tokenizer())
+    warm_prompts = load_prompts(other, 80, llm.get_tokenizer())
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    c = args.concurrency
+    for rep in range(args.reps):
+        warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
+        llm.generate(warm_prompts[rep * 7 : rep * 7 + c], warm, use_tqdm=False)
+        steps.clear()
+        start = time.perf_counter()
+        outs = llm.generate([prompts[(rep * 7 + i) % 80] for i in range(c)], params,
+                            use_tqdm=False)  # fmt: skip
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"{args.system}, rep {rep}: {tokens / seconds:.1f} tok/s ({seconds:.2f} s)")
+        print("  kind, draft passes, nodes verified, batch: steps | period ms (median, sum) | "
+              "draft ms | catch-up ms (sum) | runner ms")  # fmt: skip
+        groups: dict[tuple, list] = {}
+        for key, *values in steps:
+            groups.setdefault(key, []).append(values)
+        for key, rows in sorted(groups.items()):
+            period, draft, catch_up, runner = zip(*rows)
+            print(f"  {key}: {len(rows)} | {1e3 * statistics.median(period):.1f}, "
+                  f"{1e3 * sum(period):.0f} | {1e3 * statistics.median(draft):.1f} | "
+                  f"{1e3 * sum(catch_up):.0f} | {1e3 * statistics.median(runner):.1f}")  # fmt: skip
+    if args.system != "vanilla-timed":  # what the sizer believed at the end
+        bucket = sizer_bucket(sizing_table(llm), c)
+        print(
+            "  sizer's arms at this batch: passes,nodes: expected tokens | ms | tok/s per request"
+        )
+        for arm, row in bucket.items():
+            if row["seconds"]:
+                print(f"  {arm}: {row['expected_tokens']:.3f} | {1e3 * row['seconds']:.1f} | "
+                      f"{row['expected_tokens'] / row['seconds']:.2f}")  # fmt: skip
+    return 0
+
+
+# -- cprofile --------------------------------------------------------------------------
+
+CPROFILE_DOC = """cProfile of one timed ``generate()`` with the engine in this process.
+
+    .venv/bin/python benchmarks/step_profile.py cprofile --system off --concurrency 1
+    .venv/bin/python benchmarks/step_profile.py cprofile --system vanilla-timed --concurrency 1
+    .venv/bin/python benchmarks/step_profile.py cprofile --system tree-1-4 \\
+        --callees 'runner.py:421(propose_draft_token_ids)' 'proposer.py:183(propose)'
+
+Systems: ``vanilla-timed`` (vanilla vLLM on the plugin's worker), ``off`` / ``one-draft``
+/ ``tree-1-4`` / ``tree-2-6`` (``configs/eagle2-auto.yaml`` pinned to no drafts / one
+draft / one pass of a 4-node tree / two passes of a 6-node tree), ``auto``. Drafting's
+own functions, e.g. ``--callees '(draft_tree)' '(_draft_logprobs)'``. The engine runs
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the runner, the
+drafter and the model. After an untimed warm-up on the same prompts, one ``generate()``
+is profiled; prints the wall time, the per-step cost of a few landmarks (target
+forward, its GEMMs, the drafter, the verifier) and the top functions by cumulative time.
+Run it several times per system: two processes of the same system differ by a few
+percent on a shared machine, so one run cannot separate systems closer than that.
+"""
+# (label, function name as cProfile reports it, file suffix)
+LANDMARKS = [
+    ("target forward", "_model_forward", "eagle_vllm/engine/runner.py"),
+    ("oneDNN GEMMs", "<built-in method torch._ops._C.onednn_mm>", None),
+    ("target LM head", "compute_logits", "models/llama.py"),
+    ("drafter", "propose_draft_token_ids", "eagle_vllm/engine/runner.py"),
+    ("verifier", "_sample", "eagle_vllm/engine/runner.py"),
+    ("sample_tokens", "sample_tokens", "eagle_vllm/engine/runner.py"),
+]
+
+
+def landmarks(stats, steps: int) -> list[str]:
+    lines = []
+    for label, name, suffix in LANDMARKS:
+        total = 0.0
+        for (filename, _, function), (_, _, _, cumtime, _) in stats.stats.items():
+            if function == name and (suffix is None or filename.endswith(suffix)):
+                total += cumtime
+        lines.append(f"{label}: {1000 * total / max(steps, 1):.2f} ms/step")
+    return lines
+
+
+def callees(stats, pattern: str, steps: int, top: int = 15) -> list[str]:
+    """What the functions whose ``file:line(name)`` contains ``pattern`` spend their time
+    in: per callee, cumulative ms per step (e.g. ``proposer.py:183(propose)``)."""
+    rows: dict[str, float] = {}
+    for (filename, line, function), (*_, callers) in stats.stats.items():
+        for (c_file, c_line, c_func), timing in callers.items():
+            if pattern in f"{c_file}:{c_line}({c_func})":
+                name = f"{Path(filename).name}:{line}({function})"
+                rows[name] = rows.get(name, 0.0) + timing[3]  # cumulative seconds
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+    return [f"  {1000 * t / max(steps, 1):7.3f} ms/step  {name}" for name, t in ranked]
+
+
+def add_cprofile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", choices=CPROFILE_SYSTEMS, default="off")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--save", default=None, help="also write the raw profile here (pstats)")
+    p.add_argument("--callees", nargs="*", default=[],
+                   help="also break these functions down by callee, ms/step (substrings "
+                   "of file:line(name), e.g. 'proposer.py:183(propose)')")  # fmt: skip
+    add_model_args(p)
+
+
+def cprofile(args, argv: list[str] | None) -> int:
+    import cProfile
+    import io
+    import pstats
+
+    from vllm import SamplingParams
+
+    llm = in_process_engine(args.system, args, args.concurrency)
+    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())[: args.concurrency]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up (and prefix cache)
+
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    profile.disable()
+    seconds = time.perf_counter() - start
+
+    stats = pstats.Stats(profile)
+    if args.save:
+        stats.dump_stats(args.save)
+    steps = sum(
+        calls
+        for (filename, _, function), (calls, *_) in stats.stats.items()
+        if function == "execute_model" and filename.endswith("eagle_vllm/engine/runner.py")
+    )
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"system {args.system}, {args.concurrency} requests: {tokens} tokens in "
+          f"{seconds:.3f} s under the profiler, {steps} steps")  # fmt: skip
+    print("\n".join(landmarks(stats, steps)))
+    for pattern in args.callees:
+        print(f"callees of {pattern}:")
+        print("\n".join(callees(stats, pattern, steps)))
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(args.top)
+    print(out.getvalue())
+    return 0
+
+
+# -- arms ------------------------------------------------------------------------------
+
+ARMS_DOC = """What each of the auto sizer's arms costs per step, phase by phase, in one engine.
+
+    .venv/bin/python benchmarks/step_profile.py arms --arms 0,1 1,2 1,3 1,4 2,9 2,16 4,16
+
+One in-process fp32 eager engine serving ``configs/eagle2-auto.yaml`` (or
+``--auto-config``); for each arm ``passes,nodes`` in turn the sizer is pinned to it
+(``TreeSizer.pinned``, as ``EAGLE_VLLM_SIZER_PIN`` does) and ``--concurrency`` MT-bench
+first turns are decoded to ``--max-tokens``. Prints, per arm and repetition, output
+tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
+(``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
+the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
+K/V moves). Rounds interleave the arms, since this machine drifts. ``--profile
+passes,nodes`` also runs that arm once more under ``torch.profiler`` and prints the
+ops that took the most time (self CPU), with their calls: where a tree's extra nodes
+cost time over a chain's (at batch 1, the CPU tree attention, ``attention/cpu_backend.py``).
+"""
+
+
+def _pin_arm(worker, arm: tuple[int, int]) -> bool:
+    """Run on the worker (``collective_rpc``): pin the sizer to ``arm``, zero the timers."""
+    runner = worker.model_runner
+    if arm not in runner.sizer.arms:
+        raise ValueError(f"{arm} is not one of the sizer's arms {runner.sizer.arms}")
+    runner.sizer.pinned = arm
+    runner.timings.snapshot(reset=True)
+    return True
+
+
+def add_arms_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arms", nargs="+", default=["0,1", "1,2", "1,3", "1,4", "2,9", "2,16"],
+                   help="passes,nodes pairs (the sizer's arms)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=2)
+    add_model_args(p)
+    p.add_argument("--profile", nargs="*", default=[], help="arms to profile (torch.profiler)")
+    p.add_argument("--top", type=int, default=25, help="ops per profile")
+
+
+def arms(args, argv: list[str] | None) -> int:
+    try:
+        swept = [tuple(int(x) for x in a.split(",")) for a in args.arms]
+        profiled = [tuple(int(x) for x in a.split(",")) for a in args.profile]
+    except ValueError:
+        raise SystemExit(
+            f"error: --arms/--profile: expected passes,nodes pairs, got {args.arms} {args.profile}"
+        ) from None
+
+    from vllm import SamplingParams
+
+    c = args.concurrency
+    llm = in_process_engine("auto", args, c)
+    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
+    print("arm (passes, nodes), rep: tok/s | steps | ms/step | runner phases, ms/step")
+    for rep in range(args.reps):
+        for arm in swept:
+            llm.collective_rpc(_pin_arm, args=(arm,))
+            batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            phases = read_timings(llm, reset=True)
+            steps = max(phases.get("execute_model", {}).get("calls", 1), 1)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            split = " ".join(
+                f"{name}={1e3 * v['seconds'] / steps:.1f}" for name, v in sorted(phases.items())
+            )
+            print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | "
+                  f"{1e3 * seconds / steps:.1f} | {split}", flush=True)  # fmt: skip
+    for arm in profiled:
+        from torch.profiler import profile
+
+        llm.collective_rpc(_pin_arm, args=(arm,))
+        batch = [prompts[(40 + i) % 80] for i in range(c)]
+        with profile() as prof:
+            llm.generate(batch, params, use_tqdm=False)
+        steps = max(read_timings(llm, reset=True).get("execute_model", {}).get("calls", 1), 1)
+        print(f"\nprofile of {arm}: {steps} engine steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    return 0
+
+
+# -- patterns --------------------------------------------------------------------------
+
+PATTERNS_DOC = """Does turning drafts off, and back on, change how often drafts are accepted?
+
+    .venv/bin/python benchmarks/step_profile.py patterns --pattern auto on alt alt5 batchoff
+
+On the tests' tiny fp32 models (``tests/tiny_models.py``: the context-dependent target
+and the noisy oracle draft), eagle2 topk 3 with ``total_tokens: auto``, the workload of
+``tests/integration/test_auto_sizing.py``: 9 prompts in a batch, then the first 3 alone.
+Each pattern runs in its own in-process engine and fixes the sizer's choice per step:
+``auto`` (the sizer decides), ``on`` (one pass of 4 nodes every step), ``alt`` (off and
+on, alternating), ``alt5`` (5 steps off, 5 on), ``probe`` (31 off, 1 on), ``batchoff``
+(off while more than one request runs). Prints accepted first drafts over drafts, for
+the batch phase and in all. If drafts-off steps left the draft KV wrong, acceptance
+after them would fall.
+"""
+PATTERNS = {
+    "on": [(1, 4)],
+    "alt": [(0, 1), (1, 4)],
+    "alt5": [(0, 1)] * 5 + [(1, 4)] * 5,
+    "probe": [(0, 1)] * 31 + [(1, 4)],  # long runs off, one drafting step between
+}
+
+
+def run_pattern(pattern: str, root: Path) -> str:
+    import itertools
+
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests/integration")]
+    from conftest import ENGINE_KW, spec_metrics
+    from test_eagle_chain import PROMPTS, greedy
+    from tiny_models import build_draft, build_target
+
+    from eagle_vllm import LLM
+    from eagle_vllm.sizing import TreeSizer
+
+    oracle = build_target(root / "target_oracle", oracle=True)
+    target = build_target(root / "target", oracle=True, context=0.002)
+    draft = build_draft(root / "draft_noisy", oracle, kind="oracle", noise=0.002, attn_noise=0.03)
+    if pattern != "auto":
+        cycle = itertools.cycle(PATTERNS.get(pattern, [(1, 4)]))
+
+        def decide(self, batch_size, num_sampled=0):
+            if pattern == "batchoff":
+                arm = (0, 1) if batch_size > 1 else (1, 4)
+            else:
+                arm = next(cycle)
+            self.history.append((batch_size, *arm))
+            return arm
+
+        TreeSizer.decide = decide  # this process only: the engine runs in it
+    spec = {"method": "eagle2", "model": str(draft), "num_speculative_tokens": 3,
+            "total_tokens": "auto", "topk": 3}  # fmt: skip
+    llm = LLM(str(target), speculative_config=spec, **ENGINE_KW)
+    llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    batch = spec_metrics(llm)
+    for prompt in PROMPTS[:3]:
+        llm.generate([prompt], greedy(), use_tqdm=False)
+    total = spec_metrics(llm)
+
+    def share(m: dict) -> str:
+        first = m["num_accepted_tokens_per_pos"][0] if m["num_drafts"] else 0
+        return f"{first}/{m['num_drafts']}"
+
+    return f"{pattern}: batch phase {share(batch)}, in all {share(total)} first drafts accepted"
+
+
+def add_patterns_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pattern", nargs="+", default=["auto", "on", "alt", "alt5", "batchoff"],
+                   choices=["auto", "batchoff", *PATTERNS])  # fmt: skip
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+def patterns(args, argv: list[str] | None) -> int:
+    import subprocess
+    import tempfile
+
+    if args.worker:  # one pattern per process: the patch and the engine die with it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        print(run_pattern(args.worker, Path(tempfile.mkdtemp())), flush=True)
+        return 0
+    for pattern in args.pattern:
+        out = subprocess.run([sys.executable, __file__, "patterns", "--worker", pattern],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        print(out.stdout.strip().splitlines()[-1], flush=True)
+    return 0
+
+
+# -- command line ----------------------------------------------------------------------
+
+# mode: (one-line help, description, arguments, run)
+MODES = {
+    "phases": (
+        "vanilla vs the plugin pinned off / to one draft / free: runner phases, ms per step",
+        PHASES_DOC, add_phases_args, phases,
+    ),
+    "periods": (
+        "every engine step's period, grouped by what the step did (in-process engine)",
+        PERIODS_DOC, add_periods_args, periods,
+    ),
+    "cprofile": (
+        "cProfile of one timed generate(): landmarks and top functions (in-process engine)",
+        CPROFILE_DOC, add_cprofile_args, cprofile,
+    ),
+    "arms": (
+        "each sizer arm pinned in turn in one engine: tok/s, ms per step, runner phases",
+        ARMS_DOC, add_arms_args, arms,
+    ),
+    "patterns": (
+        "acceptance around drafts-off steps, on the tests' tiny models",
+        PATTERNS_DOC, add_patterns_args, patterns,
+    ),
+}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="mode", required=True, metavar="{" + ",".join(MODES) + "}")
+    for name, (short, doc, add_args, _) in MODES.items():
+        add_args(
+            sub.add_parser(
+                name,
+                help=short,
+                description=doc,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    args = p.parse_args(argv)
+    # the mode is in argv (workers rerun it); OUT.json keeps the mode's own arguments
+    mode = vars(args).pop("mode")
+    return MODES[mode][3](args, argv)
 
 
 if __name__ == "__main__":
