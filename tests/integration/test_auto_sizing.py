@@ -46,8 +46,8 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
     # Steps with no drafts and steps with drafts, at any of the run's batch sizes (9
     # requests, then 1), so output stayed exact across the switches. How many tree sizes
     # a short run tries depends on this machine's timings: the chain, whose noisy draft
-    # rarely pays, tried only off and (1,2) in two fresh-clone CI runs (session 12), so
-    # only the tree (topk 3, which always tried several) must show three sizes.
+    # rarely pays, may try only off and (1,2) in a short run on a fresh clone, so only the
+    # tree (topk 3, which tries several) must show three sizes.
     chosen = [(d, m) for _, d, m in sizing["history"]]
     assert (0, 1) in chosen and any(d > 0 for d, _ in chosen), sizing["history"]
     if method == "eagle2":
@@ -66,7 +66,7 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
     # tokens: its unverified nodes are predicted at the better-ranked nodes' rates, and
     # how often this tiny draft is accepted depends on where in the text the sizer
     # drafted: 12-55% of first drafts across runs, whether or not drafts were off in
-    # between; benchmarks/drafts_off_patterns.py.)
+    # between; benchmarks/step_profile.py patterns.)
     assert row["0,1"]["expected_tokens"] == 1.0
     assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0, metrics
     expected = {tuple(map(int, a.split(","))): v["expected_tokens"] for a, v in row.items()}

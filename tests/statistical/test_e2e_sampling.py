@@ -159,9 +159,9 @@ def test_the_test_rejects_vllm_builtin_eagle_on_cpu(small, vanilla):
 def test_drafts_cannot_change_a_seeded_output(small, monkeypatch):
     """A seeded request's tokens are the same with trees verified as without drafts:
     every seeded draw, the verifier's walk included, is vLLM's sampler's with the
-    generator keyed by (seed, position) (engine/sampler.py). Before session 13 the walk
-    made its own exponential race, which vLLM 0.32's CPU sampler does not, and the
-    positions the walk decided came out different."""
+    generator keyed by (seed, position) (engine/sampler.py). A walk with its own
+    exponential race would fail: vLLM 0.32's CPU sampler makes a fused Gumbel-max draw
+    instead, so the positions such a walk decided would come out different."""
     from vllm import SamplingParams
 
     from eagle_vllm import LLM
