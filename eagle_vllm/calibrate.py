@@ -7,7 +7,7 @@
 Serves MT-bench first turns with the config (``total_tokens: auto``) at each
 concurrency level and temperature (greedy and sampled requests accept drafts at
 different rates, and the sizer keeps both), long enough for the sizer to measure, in every batch bucket, each
-arm that could win (``sizing.py``), then writes its tables (``TreeSizer.export_profile``).
+arm that could win (``sizing/``), then writes its tables (``TreeSizer.export_profile``).
 With ``sizing_profile: FILE`` in the config, an engine starts from these costs and
 acceptance rates instead of trying every arm in each new bucket while it serves; it
 keeps measuring, and its own samples outvote the profile's. A profile describes one

@@ -70,7 +70,7 @@ class EagleSpecConfig:
     # Draft over the N most frequent tokens (0: the full vocabulary). See draft_vocab key.
     draft_vocab: int = 0
     # total_tokens: auto. Each step's tree (draft passes and nodes, possibly none) is
-    # chosen by eagle_vllm/sizing.py; num_speculative_tokens and total_tokens are the maxima.
+    # chosen by eagle_vllm/sizing/; num_speculative_tokens and total_tokens are the maxima.
     auto_size: bool = False
     # total_tokens: auto: costs and acceptance measured by `eagle-vllm calibrate` (the
     # file's content, so workers on other nodes need no copy of the file)
@@ -117,7 +117,7 @@ _ALLOWED_KEYS = {
     "model": (str, os.PathLike),
     "num_speculative_tokens": (int,),
     "topk": (int,),
-    "total_tokens": (int, str),  # N, or "auto" (load-aware sizing, eagle_vllm/sizing.py)
+    "total_tokens": (int, str),  # N, or "auto" (load-aware sizing, eagle_vllm/sizing/)
     "max_total_tokens": (int,),  # the largest tree "auto" may pick
     "draft_sample_method": (str,),
     # "auto": the head's draft_vocab.json if it has one; "full"; or N most frequent

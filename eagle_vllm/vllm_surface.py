@@ -129,10 +129,18 @@ def cpu_worker_base():
 
 
 def register_cpu_attention_backend(class_path: str) -> None:
-    """Route vLLM's ``CPU_ATTN`` backend to ``class_path`` (this process only)."""
+    """Route vLLM's ``CPU_ATTN`` backend to ``class_path`` (this process only).
+
+    vLLM caches each backend choice (``selector._cached_get_attn_backend``): an engine
+    built earlier in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would leave the
+    stock class cached, and trees would be verified with causal masks. The cache is
+    cleared, so engines built later in this process get the tree-capable class, which
+    is the stock backend whenever no tree is verified."""
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, class_path)
+    selector._cached_get_attn_backend.cache_clear()
 
 
 def tp_broadcast(obj, tensor_parallel_size: int):
@@ -145,23 +153,14 @@ def tp_broadcast(obj, tensor_parallel_size: int):
 
 
 # -- the drafter's first pass (vllm/v1/spec_decode/eagle.py, EagleProposer) -------
-def first_pass_forward(proposer, *, target_token_ids, next_token_ids, target_positions,
-                       target_hidden_states, token_indices_to_sample, common_attn_metadata,
-                       num_rejected_tokens_gpu):  # fmt: skip
+def first_pass_forward(proposer, **first_pass_inputs):
     """The draft model over the tokens the target just verified, as vLLM's own EAGLE
-    proposer runs it (writes their draft KV). Returns ``(last_hidden, hidden,
+    proposer runs it (writes their draft KV); ``first_pass_inputs`` are those of
+    ``EagleProposer.set_inputs_first_pass``. Returns ``(last_hidden, hidden,
     token_indices_to_sample, common_attn_metadata)``."""
     from vllm.forward_context import set_forward_context
 
-    num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(
-        target_token_ids=target_token_ids,
-        next_token_ids=next_token_ids,
-        target_positions=target_positions,
-        target_hidden_states=target_hidden_states,
-        token_indices_to_sample=token_indices_to_sample,
-        cad=common_attn_metadata,
-        num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-    )
+    num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(**first_pass_inputs)
     _, per_layer_attn_metadata = proposer.build_per_group_and_layer_attn_metadata(cad)
     mode, num_input_tokens, tokens_across_dp = proposer._determine_batch_execution_and_padding(
         num_tokens

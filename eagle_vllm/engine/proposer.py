@@ -2,7 +2,7 @@
 
 One code path serves both methods; a chain is a tree with ``topk = 1``. ``propose``
 (called by vLLM's runner inside ``propose_draft_token_ids``, with the step bound by
-``drafting(step)``) reads top to bottom:
+``bound_to(step)``) reads top to bottom:
 
 1. **First pass** (vLLM attention, paged KV): the draft runs over the tokens the
    target just verified, with features shifted by one, exactly like vLLM's own EAGLE
@@ -32,7 +32,7 @@ from eagle_vllm import vllm_surface
 from eagle_vllm.attention.platform import TreePlatform
 from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
-from eagle_vllm.engine.step import DraftedTrees, StepState
+from eagle_vllm.engine.step import DraftedTrees, StepBound, StepState
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
@@ -77,8 +77,9 @@ class _TreeNodeAttention(nn.Module):
         return out.reshape(batch * width, self.num_heads * self.head_size)
 
 
-class EagleTreeProposer(EagleProposer):
-    """vLLM's ``EagleProposer`` with the plugin's draft model and tree drafting."""
+class EagleTreeProposer(StepBound, EagleProposer):
+    """vLLM's ``EagleProposer`` with the plugin's draft model and tree drafting; ``propose``
+    drafts for the step it is ``bound_to``."""
 
     def __init__(self, vllm_config, device, runner, eagle_config: EagleSpecConfig,
                  platform: TreePlatform):  # fmt: skip
@@ -90,7 +91,6 @@ class EagleTreeProposer(EagleProposer):
         self.draft_rng = torch.Generator(device=device).manual_seed(
             vllm_config.model_config.seed or 0
         )
-        self._step: StepState | None = None
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -116,15 +116,6 @@ class EagleTreeProposer(EagleProposer):
     def draft_layers(self) -> list[nn.Module]:
         return list(self.model.model.layers)
 
-    @contextlib.contextmanager
-    def drafting(self, step: StepState):
-        """``propose`` calls made inside draft for ``step`` (vLLM's runner makes the call)."""
-        self._step = step
-        try:
-            yield
-        finally:
-            self._step = None
-
     # -- drafting ----------------------------------------------------------
     def propose(
         self,
@@ -141,18 +132,14 @@ class EagleTreeProposer(EagleProposer):
         slot_mappings=None,
     ) -> torch.Tensor:
         step = self._step
-        assert step is not None, "propose runs inside drafting(step)"
+        assert step is not None, "propose runs inside bound_to(step)"
         batch_size = common_attn_metadata.batch_size()
         last_hidden, hidden, token_indices_to_sample, cad = vllm_surface.first_pass_forward(
-            self,
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            common_attn_metadata=common_attn_metadata,
+            self, target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
+        )  # fmt: skip
         cfg = self.eagle_config
         passes, nodes = step.planned_size or (cfg.num_speculative_tokens, cfg.total_tokens)
         nodes = min(nodes, int(num_speculative_tokens) + 1)

@@ -215,9 +215,9 @@ class EagleCPUModelRunner(CPUModelRunner):
             step.accepted_nodes = torch.full(
                 (len(spec_decode_metadata.num_draft_tokens), 0), -1, dtype=torch.int64
             )
-        verifier = self.rejection_sampler
+        verifier = getattr(self, "rejection_sampler", None)  # None: no speculation
         binding = (
-            verifier.verifying(step)
+            verifier.bound_to(step)
             if isinstance(verifier, ExactRejectionSampler)
             else contextlib.nullcontext()  # vLLM's own (speculation not from this plugin)
         )
@@ -285,6 +285,11 @@ class EagleCPUModelRunner(CPUModelRunner):
     # -- 5. drafting for the next step --------------------------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):  # fmt: skip
+        if self.eagle_config is None:  # vLLM's own speculation on this worker (benchmarks)
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                *args, **kwargs,
+            )  # fmt: skip
         step = self.step
         caught_up_before = step.record.catch_up_seconds
         with self.timings.phase("draft") as clock:
@@ -305,7 +310,7 @@ class EagleCPUModelRunner(CPUModelRunner):
                     if (p := self.requests[r].sampling_params) is not None
                     and p.structured_outputs is not None
                 )  # fmt: skip
-                with self.drafter.drafting(step):
+                with self.drafter.bound_to(step):
                     out = super().propose_draft_token_ids(
                         scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         *args, **kwargs,

@@ -13,7 +13,6 @@ Written against vLLM 0.32 (vllm/v1/sample/rejection_sampler.py).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
@@ -30,7 +29,7 @@ from vllm.v1.sample.rejection_sampler import (
     RejectionSampler,
 )
 
-from eagle_vllm.engine.step import StepState
+from eagle_vllm.engine.step import StepBound, StepState
 from eagle_vllm.verify import (
     chain_parents,
     greedy_verify_choices,
@@ -49,25 +48,15 @@ from eagle_vllm.verify.position_rng import (
 LIST_WALK_MAX_NODES = 64
 
 
-class ExactRejectionSampler(RejectionSampler):
+class ExactRejectionSampler(StepBound, RejectionSampler):
     """Verifies drafts as trees (a chain is a tree) with exact rules."""
 
     def __init__(self, sampler, spec_config=None, device=None):
-        super().__init__(sampler, spec_config, device)
-        # The step being verified (``verifying``): its trees' parents, its positions
+        # The step being verified (``bound_to``): its trees' parents, its positions
         # (seeded requests key their random draws by sequence position,
         # verify/position_rng.py), the draft distributions of sampled drafts; the
         # accepted path of every request is written back to it.
-        self._step: StepState | None = None
-
-    @contextlib.contextmanager
-    def verifying(self, step: StepState):
-        """``forward`` calls made inside verify ``step`` (vLLM's runner makes the call)."""
-        self._step = step
-        try:
-            yield
-        finally:
-            self._step = None
+        super().__init__(sampler, spec_config, device)
 
     def _record_accepted(self, accepted: torch.Tensor) -> None:
         if self._step is not None:

@@ -8,6 +8,7 @@ the new step starts from the previous step's ``drafted`` trees (``verifying``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -72,3 +73,18 @@ class StepState:
     # the trees drafted in this step, for the next, and their (passes, nodes)
     drafted: DraftedTrees | None = None
     drafted_size: tuple[int, int] = (0, 1)
+
+
+class StepBound:
+    """For objects whose methods vLLM calls (the drafter's ``propose``, the verifier's
+    ``forward``): the step those calls work on, bound by the runner around the call."""
+
+    _step: StepState | None = None
+
+    @contextlib.contextmanager
+    def bound_to(self, step: StepState):
+        self._step = step
+        try:
+            yield
+        finally:
+            self._step = None

@@ -1,9 +1,8 @@
 """Wall-clock split of the runner's steps: drafting, target forward, verification, the rest.
 
-The runner times its phases into one ``StepTimings`` per worker; benchmarks
-read it through ``LLM.collective_rpc("eagle_vllm_timings")``. On CPU every
-phase is synchronous, so wall-clock time is the phase's cost; on GPU a phase
-is timed only up to its last kernel launch unless ``synchronize`` is set.
+The runner times its phases into one ``StepTimings`` per worker; benchmarks read it
+through ``LLM.collective_rpc("eagle_vllm_timings")``. On the CPU every phase is
+synchronous, so wall-clock time is the phase's cost.
 """
 
 from __future__ import annotations
@@ -12,31 +11,24 @@ import contextlib
 import time
 from collections import defaultdict
 
-import torch
-
 
 class _Clock:
     seconds: float = 0.0
 
 
 class StepTimings:
-    def __init__(self, synchronize: bool = False):
+    def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self.synchronize = synchronize and torch.cuda.is_available()
 
     @contextlib.contextmanager
     def phase(self, name: str):
         """Time a phase; the yielded clock's ``seconds`` is set when the phase ends."""
-        if self.synchronize:
-            torch.cuda.synchronize()
         clock = _Clock()
         start = time.perf_counter()
         try:
             yield clock
         finally:
-            if self.synchronize:
-                torch.cuda.synchronize()
             clock.seconds = time.perf_counter() - start
             self.seconds[name] += clock.seconds
             self.calls[name] += 1

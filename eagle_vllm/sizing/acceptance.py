@@ -30,9 +30,10 @@ def other_class(cls: str) -> str:
 
 @dataclass
 class AcceptanceStats:
-    """How often the j-th node of a rank-ordered tree, cut at depth d, is accepted."""
+    """How often the j-th node of a rank-ordered tree, cut at depth d (drafted with d
+    passes), is accepted."""
 
-    depth: int
+    max_passes: int
     max_nodes: int
     decay: float = 0.995
     # prior: one pseudo-observation, never decayed, so a node unseen (or not seen for
@@ -46,7 +47,7 @@ class AcceptanceStats:
     _expected: list[list[float]] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        shape = (self.depth + 1, self.max_nodes)
+        shape = (self.max_passes + 1, self.max_nodes)
         self.set_counts(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape))
 
     @property
@@ -81,7 +82,7 @@ class AcceptanceStats:
         # Trees cut at every depth d at once: keep[d - 1] holds the nodes at depth <= d,
         # and a kept node counts as the j-th node of its cut tree (1-based: the root is
         # node 0). One vectorised pass: this runs every step, on the critical path.
-        cuts = torch.arange(1, self.depth + 1)[:, None, None]
+        cuts = torch.arange(1, self.max_passes + 1)[:, None, None]
         keep = drafted[None] & (depths[None] <= cuts)  # [depth, R, W]
         j = torch.cumsum(keep.to(torch.int64), dim=2).clamp(max=self.max_nodes - 1)
         index = (cuts * self.max_nodes + j)[keep]
@@ -145,8 +146,8 @@ class AcceptanceByClass:
     """Greedy and sampled requests' ``AcceptanceStats``; a batch's expected tokens weigh
     the two classes by their share of it."""
 
-    def __init__(self, depth: int, max_nodes: int):
-        self.of = {cls: AcceptanceStats(depth, max_nodes) for cls in CLASSES}
+    def __init__(self, max_passes: int, max_nodes: int):
+        self.of = {cls: AcceptanceStats(max_passes, max_nodes) for cls in CLASSES}
 
     def _stats(self, cls: str) -> AcceptanceStats:
         """A class never observed reads as the other's rates, weakly (``SEED_TRIALS``),
@@ -154,7 +155,7 @@ class AcceptanceByClass:
         stats, other = self.of[cls], self.of[other_class(cls)]
         if stats.observed or not other.observed:
             return stats
-        seeded = AcceptanceStats(stats.depth, stats.max_nodes, stats.decay, stats.prior_rate)
+        seeded = AcceptanceStats(stats.max_passes, stats.max_nodes, stats.decay, stats.prior_rate)
         seeded.seed_from(other)
         return seeded
 

@@ -59,13 +59,14 @@ PROFILE_COST_KEYS = ("verify_seconds", "draft_seconds", "verify_seconds_sampled"
 Arm = tuple[int, int]
 
 
-def candidate_sizes(depth: int, topk: int, max_nodes: int) -> list[Arm]:
-    """The (draft passes, tree nodes) arms: off, then every depth with a few tree sizes."""
+def candidate_sizes(max_passes: int, topk: int, max_nodes: int) -> list[Arm]:
+    """The (draft passes, tree nodes) arms: off, then every number of passes with a few
+    tree sizes."""
     arms = [OFF]
-    for d in range(1, depth + 1):
-        reachable = 1 + topk + (d - 1) * topk * topk  # nodes depth d can draft
+    for d in range(1, max_passes + 1):
+        reachable = 1 + topk + (d - 1) * topk * topk  # nodes d passes can draft
         top = min(max_nodes, reachable)
-        low = 2 if d == 1 else min(top, d + 1)  # a tree of depth d needs d + 1 nodes
+        low = 2 if d == 1 else min(top, d + 1)  # a tree of d passes needs d + 1 nodes
         sizes = {top, low}
         m = low
         while m < top:  # geometric steps between the chain and the full tree
@@ -115,7 +116,7 @@ class TreeSizer:
 
     def __init__(
         self,
-        depth: int,
+        max_passes: int,
         topk: int,
         max_nodes: int,
         explore_every: int = 32,
@@ -123,8 +124,8 @@ class TreeSizer:
         speculation_margin: float = 0.05,
         explore_budget: float = 0.05,
     ):
-        self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
-        self.arms = candidate_sizes(depth, topk, max_nodes)
+        self.max_passes, self.topk, self.max_nodes = max_passes, topk, max_nodes
+        self.arms = candidate_sizes(max_passes, topk, max_nodes)
         self.speculation_margin = speculation_margin
         self.explore_every = explore_every
         self.max_explore_every = 8 * explore_every
@@ -133,7 +134,7 @@ class TreeSizer:
         self.costs = CostModel(
             sorted({m for _, m in self.arms}), sorted({d for d, _ in self.arms}), window
         )
-        self._acceptance = AcceptanceByClass(depth, max_nodes)
+        self._acceptance = AcceptanceByClass(max_passes, max_nodes)
         # the policy's own state, changed by ``commit`` only
         self.steps = 0
         self._explore_interval = explore_every
@@ -359,7 +360,7 @@ class TreeSizer:
         seed another engine of the same config on the same hardware."""
         profile = {
             "eagle_vllm_sizing_profile": PROFILE_VERSION,
-            "depth": self.depth,
+            "depth": self.max_passes,  # the profile format's name
             "topk": self.topk,
             "max_nodes": self.max_nodes,
             **self.costs.export(),
@@ -379,7 +380,7 @@ class TreeSizer:
         drafts. New batch buckets then start from measured costs instead of trying every
         arm. A cost only the profile has measured is scaled by how this engine's samples
         of the bucket's other costs compare with the profile's (the machine's drift)."""
-        check_profile(profile, self.depth, self.topk, self.max_nodes)
+        check_profile(profile, self.max_passes, self.topk, self.max_nodes)
         self.costs.load({k: profile[k] for k in PROFILE_COST_KEYS if k in profile})
         for key, cls in (("acceptance", GREEDY), ("acceptance_sampled", SAMPLED)):
             acceptance = profile.get(key)
@@ -409,9 +410,9 @@ class TreeSizer:
         return out
 
 
-def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> None:
+def check_profile(profile: object, max_passes: int, topk: int, max_nodes: int) -> None:
     """Raise ValueError (what is wrong, and the fix) unless ``profile`` is a sizing
-    profile made for this tree bound (depth, topk and largest tree)."""
+    profile made for this tree bound (passes, topk and largest tree)."""
     fix = "make it with `eagle-vllm calibrate` for this config"
     if not isinstance(profile, dict) or "eagle_vllm_sizing_profile" not in profile:
         raise ValueError(f"not an eagle-vllm sizing profile. Fix: {fix}")
@@ -421,12 +422,12 @@ def check_profile(profile: object, depth: int, topk: int, max_nodes: int) -> Non
             f"{PROFILE_VERSION}. Fix: {fix}"
         )
     made = tuple(profile.get(k) for k in ("depth", "topk", "max_nodes"))
-    if made != (depth, topk, max_nodes):
+    if made != (max_passes, topk, max_nodes):
         raise ValueError(
             f"made for num_speculative_tokens/topk/max_total_tokens {made}, the config has "
-            f"{(depth, topk, max_nodes)}. Fix: {fix}"
+            f"{(max_passes, topk, max_nodes)}. Fix: {fix}"
         )
-    shape = [depth + 1, max_nodes]
+    shape = [max_passes + 1, max_nodes]
     try:
         for name in ("verify_seconds", "draft_seconds"):
             profile[name]  # required; the sampled mode's tables are optional

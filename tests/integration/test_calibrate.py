@@ -60,6 +60,6 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     finally:
         shutdown(llm)
     # the first step's choice is the profile's best arm, not the first arm to explore
-    local = TreeSizer(depth=2, topk=2, max_nodes=4)
+    local = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     local.load_profile(profile)
     assert tuple(history[0]) == (1, *local.choose(1).arm), history[:4]

@@ -1,7 +1,7 @@
 """Tensor parallel 2 with vLLM's Ray executor on CPU (eagle_vllm.ray_cpu), method eagle2.
 
-vLLM 0.32 alone refuses ``distributed_executor_backend="ray"`` on CPU; the plugin's
-``register()`` makes it run. A local Ray instance (2 CPUs) is started here; the
+vLLM 0.32 alone refuses ``distributed_executor_backend="ray"`` on CPU; an eagle_vllm
+config asking for it gets the plugin's CPU Ray executor. A local Ray instance (2 CPUs) is started here; the
 engine-core process joins it through RAY_ADDRESS, reserves one {"CPU": 1} bundle
 per rank and runs each rank as a Ray actor.
 """
@@ -60,9 +60,13 @@ def vanilla_batch(tiny):
     return out
 
 
-def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster):
+def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster, monkeypatch):
     """Every Ray actor builds the same tree, verifies the same path and compacts its KV shard."""
     from eagle_vllm import LLM
+
+    # the engine core in its own process, as served: its placement group is released
+    # when that process ends (an engine core in this process would hold it until exit)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
     spec = {
         "method": "eagle2",
@@ -98,7 +102,8 @@ def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster):
 
 
 def test_ray_executor_selection_on_cpu(monkeypatch):
-    """Backend "ray" selects the CPU Ray executor, other backends are untouched, and the
+    """An eagle_vllm config asking for Ray on CPU gets the CPU Ray executor as the engine's
+    executor class; the plugin patches nothing of vLLM's executor selection, and the
     legacy compiled-graph Ray executor is refused with a fix."""
     from vllm.platforms import current_platform
 
@@ -106,6 +111,7 @@ def test_ray_executor_selection_on_cpu(monkeypatch):
         pytest.skip("eagle_vllm.ray_cpu is for vLLM's CPU platform")
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
 
     import eagle_vllm.plugin
 
@@ -117,10 +123,12 @@ def test_ray_executor_selection_on_cpu(monkeypatch):
             parallel_config=SimpleNamespace(distributed_executor_backend=backend)
         )
 
-    assert current_platform.ray_device_key == "CPU"
+    executor = ray_cpu.executor_class()
+    assert executor is ray_cpu.CPURayExecutor and issubclass(executor, RayExecutorV2)
+    assert Executor.get_class(config(executor)) is executor  # what the engine args carry
     assert Executor.get_class(config("mp")) is MultiprocExecutor
-    assert Executor.get_class(config("ray")) is ray_cpu.CPURayExecutor
+    assert Executor.get_class(config("ray")) is RayExecutorV2  # vLLM's own, unpatched
     assert ray_cpu.CPURayExecutor._get_actor_resource_kwargs() == {"num_gpus": 0}
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
     with pytest.raises(ValueError, match="VLLM_USE_RAY_V2_EXECUTOR_BACKEND"):
-        Executor.get_class(config("ray"))
+        ray_cpu.executor_class()

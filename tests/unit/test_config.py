@@ -629,6 +629,27 @@ def test_pipeline_parallelism_is_refused(models, tmp_path):
     apply_to_engine_args(args)
 
 
+def test_ray_on_cpu_gets_the_plugins_executor_only_for_eagle_configs(models, tmp_path):
+    """vLLM 0.32 refuses Ray on its CPU platform; an eagle_vllm config asking for Ray gets
+    the plugin's CPU Ray executor as the engine's executor class, and nothing changes for
+    other engines (no vLLM function is patched)."""
+    from vllm.v1.executor.abstract import Executor
+
+    d, t = str(models["draft"]), str(models["target"])
+    f = tmp_path / "spec.yaml"
+    f.write_text(f"method: eagle2\nmodel: {d}\n")
+    get_class = Executor.get_class
+    args = _engine_args(speculative_config=str(f), model=t, distributed_executor_backend="ray")
+    apply_to_engine_args(args)
+    assert args.distributed_executor_backend.__name__ == "CPURayExecutor"
+    assert issubclass(args.distributed_executor_backend, Executor)
+    assert args.distributed_executor_backend.uses_ray
+    args = _engine_args(speculative_config=None, model=t, distributed_executor_backend="ray")
+    apply_to_engine_args(args)
+    assert args.distributed_executor_backend == "ray"
+    assert Executor.get_class is get_class
+
+
 def test_gpu_platforms_are_refused_before_workers_start(models, tmp_path, monkeypatch):
     """Until the Triton tree kernel is wired into vLLM's GPU backends, a GPU engine would
     verify trees with causal masks: refused up front, with the way out."""
@@ -720,7 +741,7 @@ def test_sizing_profile(models, tmp_path):
     d = str(models["draft"])
     base = {"method": "eagle2", "model": d, "num_speculative_tokens": 2, "topk": 2,
             "total_tokens": "auto", "max_total_tokens": 4}  # fmt: skip
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     sizer.observe_verify(1, 1, 0.04)
     sizer.observe_draft(1, 0, 0.001)
     (tmp_path / "profile.json").write_text(json.dumps(sizer.export_profile()))

@@ -115,7 +115,7 @@ def test_the_fast_path_outputs_what_the_full_path_does(monkeypatch, walk, trees,
         if trees:
             step.tree_batch = _TreeParents(parents)
         monkeypatch.setattr(sampler_module, "_argmax_decides", lambda m: fast)
-        with verifier.verifying(step):
+        with verifier.bound_to(step):
             out = verifier(spec, None, logits.clone(), _greedy_metadata(len(counts)))
         return out.sampled_token_ids, step.accepted_nodes
 

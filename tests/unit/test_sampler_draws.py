@@ -94,7 +94,7 @@ def test_walk_draws_equal_vllms_plain_draws(accepted, seed):
         drafts += [(plain[accepted] + 1) % V] * (DRAFTS - accepted)
     verifier = ExactRejectionSampler(Sampler())
     step = _step(positions=torch.arange(DRAFTS + 1) + FIRST_POSITION)
-    with verifier.verifying(step):
+    with verifier.bound_to(step):
         out = verifier(_chain(drafts), None, logits.clone(), _metadata(seed, **params))
     tokens = out.sampled_token_ids.view(-1).tolist()
     # the accepted drafts, then the token vLLM would have drawn at the next position
@@ -118,7 +118,7 @@ def test_walk_draws_only_at_visited_nodes(monkeypatch):
     logits[:, 5] = 30.0  # the target picks token 5 everywhere
     meta = _metadata(None, temperature=1.0, top_p=1.0, min_p=0.0)
     step = _step()
-    with verifier.verifying(step):
+    with verifier.bound_to(step):
         verifier(_chain([7, 5, 5]), None, logits.clone(), meta)  # first draft rejected
     # one row for the bonus token (vLLM's own draw), one for the walk's root node:
     # not a row for each of the 4 nodes

@@ -1,4 +1,4 @@
-"""Load-aware sizing (eagle_vllm/sizing.py) against simulated hardware and drafts."""
+"""Load-aware sizing (eagle_vllm/sizing/) against simulated hardware and drafts."""
 
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ from eagle_vllm.sizing import (
 
 
 def test_candidate_sizes_cover_off_chain_and_full_tree():
-    arms = candidate_sizes(depth=3, topk=4, max_nodes=8)
+    arms = candidate_sizes(max_passes=3, topk=4, max_nodes=8)
     assert arms[0] == OFF
     assert (1, 2) in arms and (3, 8) in arms and (2, 8) in arms
     for d, m in arms[1:]:
         assert m <= 1 + 4 + (d - 1) * 16 and m <= 8 and m >= 2
         assert m >= d + 1 or d == 1
     # a chain: one arm per depth, d passes verify d + 1 nodes
-    assert candidate_sizes(depth=4, topk=1, max_nodes=5) == [OFF, (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert candidate_sizes(max_passes=4, topk=1, max_nodes=5) == [
+        OFF,
+        (1, 2),
+        (2, 3),
+        (3, 4),
+        (4, 5),
+    ]
 
 
 def test_batch_bucket():
@@ -31,7 +37,7 @@ def test_batch_bucket():
 
 
 def test_acceptance_rates_per_depth_limit():
-    stats = AcceptanceStats(depth=2, max_nodes=4, decay=1.0, prior_rate=0.0)
+    stats = AcceptanceStats(max_passes=2, max_nodes=4, decay=1.0, prior_rate=0.0)
     # one tree: root, a (depth 1), b (depth 2, child of a), c (depth 1); a and b accepted
     depths = torch.tensor([[0, 1, 2, 1]])
     valid = torch.ones(1, 4, dtype=torch.bool)
@@ -56,7 +62,7 @@ def test_acceptance_update_counts_each_node_in_every_cut_tree(seed):
     the verified drafts at depth <= d up to i, clamped to max_nodes - 1."""
     gen = torch.Generator().manual_seed(seed)
     depth, max_nodes, rows, width = 3, 5, 6, 9
-    stats = AcceptanceStats(depth=depth, max_nodes=max_nodes, decay=0.9)
+    stats = AcceptanceStats(max_passes=depth, max_nodes=max_nodes, decay=0.9)
     hits = torch.zeros(depth + 1, max_nodes, dtype=torch.float64)
     trials = torch.zeros_like(hits)
     for _ in range(3):
@@ -91,7 +97,7 @@ def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
 def test_a_prefill_step_is_charged_to_no_arm():
     """The drafter's first pass over a prompt runs whatever the arm; charged to the arm of
     a prefill step it made drafts-off look dearer than drafting while requests arrive."""
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     prefill = {"batch": 4, "passes": 0, "draft": 0.030, "verified_nodes": 1,
                "decode_only": False}  # fmt: skip
     _charge(sizer, prefill, period=0.090)
@@ -105,7 +111,7 @@ def test_a_prefill_step_is_charged_to_no_arm():
 def test_a_step_without_drafts_ages_acceptance_like_an_empty_update():
     """Drafts-off steps skip the per-request update (runner._sample) and only age the
     statistics; that must be what an update with nothing drafted did."""
-    aged, updated = (AcceptanceStats(depth=2, max_nodes=4, decay=0.9) for _ in range(2))
+    aged, updated = (AcceptanceStats(max_passes=2, max_nodes=4, decay=0.9) for _ in range(2))
     depths = torch.tensor([[0, 1, 2, 1]])
     accepted = torch.tensor([[False, True, False, False]])
     for stats in (aged, updated):
@@ -192,7 +198,7 @@ def test_picks_the_fastest_arm_and_shrinks_with_load():
     engine = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
     chosen = {}
     for batch in (1, 4, 16, 64):
-        sizer = TreeSizer(depth=4, topk=1, max_nodes=5, explore_every=1000)
+        sizer = TreeSizer(max_passes=4, topk=1, max_nodes=5, explore_every=1000)
         history = run(sizer, engine, batch, steps=400)
         arms = [tuple(h[1:]) for h in history]
         chosen[batch] = max(set(arms), key=arms.count)
@@ -209,7 +215,7 @@ def test_picks_the_fastest_arm_and_shrinks_with_load():
 
 def test_switches_off_when_drafts_are_never_accepted_and_back_on_when_they_are():
     engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.01)
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4, explore_every=16)
     history = run(sizer, engine, batch=1, steps=300)
     arms = [tuple(h[1:]) for h in history]
     assert arms.count(OFF) >= 45  # off except for the periodic re-measurement
@@ -224,7 +230,7 @@ def test_switches_off_when_drafts_are_never_accepted_and_back_on_when_they_are()
 def test_measurements_follow_the_machine():
     """A slower verify (e.g. another tenant) is picked up by the moving averages."""
     engine = SimulatedEngine(rate=0.6, draft_pass=0.02, per_token=0.001)
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=8)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4, explore_every=8)
     history = run(sizer, engine, batch=8, steps=200)
     arms = [tuple(h[1:]) for h in history]
     assert max(set(arms), key=arms.count) != OFF
@@ -252,7 +258,7 @@ def test_a_stale_expensive_measurement_does_not_lock_an_arm_out():
     engine = SlowStart(rate=0.3, draft_pass=0.05, per_token=0.02)
     truth = SimulatedEngine(rate=0.3, draft_pass=0.05, per_token=0.02)
     assert best_arm(truth, 64, candidate_sizes(3, 1, 4)) == OFF
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4, explore_every=16)
     history = run(sizer, engine, batch=64, steps=400)
     arms = [tuple(h[1:]) for h in history]
     assert arms.count(OFF) >= 45, arms
@@ -263,7 +269,7 @@ def test_benchmark_pin_must_name_an_arm(monkeypatch):
 
     from eagle_vllm.engine.runner import _pinned_size
 
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4)
     monkeypatch.delenv("EAGLE_VLLM_SIZER_PIN", raising=False)
     assert _pinned_size(sizer) is None
     monkeypatch.setenv("EAGLE_VLLM_SIZER_PIN", "0,1")
@@ -277,7 +283,7 @@ def test_benchmark_pin_must_name_an_arm(monkeypatch):
 def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
     """A step that writes draft KV deferred by earlier drafts-off steps (catch_up) must
     not make its own tree look dearer: neither its drafting nor the rest of its step."""
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     step = {"batch": 4, "passes": 1, "draft": 0.002, "catch_up": 0.050, "verified_nodes": 2,
             "decode_only": True}  # fmt: skip
     _charge(sizer, step, period=0.062)
@@ -286,7 +292,7 @@ def test_deferred_draft_kv_is_not_charged_to_the_step_that_writes_it():
 
 
 def _calibrated_sizer() -> TreeSizer:
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     # no drafts clearly best at 16 requests (by 30%: beyond the hysteresis), a tree at 1
     engine = SimulatedEngine(rate=0.8, draft_pass=0.1, per_token=0.1)
     run(sizer, engine, batch=1, steps=120)
@@ -303,7 +309,7 @@ def test_a_profile_lets_a_new_engine_start_without_exploring():
 
     calibrated = _calibrated_sizer()
     profile = json.loads(json.dumps(calibrated.export_profile()))  # through JSON, as on disk
-    fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
+    fresh = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     fresh.load_profile(profile)
     for batch in (1, 16):
         first = [fresh.decide(batch) for _ in range(5)]
@@ -338,7 +344,7 @@ def test_seldom_verified_nodes_promise_no_more_than_better_ranked_ones():
     """Node 1 verified often and accepted a quarter of the time; nodes 2.. never verified.
     Their prior (0.5) must not make a big tree look better than the measured node: a
     tree of depth 2 yields at most 3 tokens, and a node ranks below node 1's rate."""
-    stats = AcceptanceStats(depth=2, max_nodes=16, decay=1.0)
+    stats = AcceptanceStats(max_passes=2, max_nodes=16, decay=1.0)
     depths = torch.tensor([[0, 1]]).repeat(40, 1)
     accepted = torch.zeros(40, 2, dtype=torch.bool)
     accepted[:10, 1] = True
@@ -359,13 +365,13 @@ def test_nodes_with_few_trials_lean_on_the_better_ranked_node_not_a_flat_prior()
     measured = [0.0, 0.45, 0.15, 0.08, 0.04, 0.08] + [0.0] * 10  # rates by rank
     trials = torch.tensor([0.0, 252, 76, 14, 10, 10] + [1.9] * 3 + [1.15] * 4 + [0.78] * 3)
     hits = trials * torch.tensor(measured, dtype=torch.float64)
-    stats = AcceptanceStats(depth=3, max_nodes=16)
+    stats = AcceptanceStats(max_passes=3, max_nodes=16)
     stats.set_rates_from(hits.repeat(4, 1), trials.repeat(4, 1), weight=64.0)
     assert stats.trials[3, 3] < 4
     assert stats.expected_tokens(3, 16) < 1.0 + sum(measured) + 0.2  # 1.8 measured
     assert stats.rates(3)[1] == pytest.approx((0.45 * 64 + 0.5) / 65)
 
-    fresh = AcceptanceStats(depth=1, max_nodes=4, decay=1.0)
+    fresh = AcceptanceStats(max_passes=1, max_nodes=4, decay=1.0)
     depths = torch.tensor([[0, 1]]).repeat(100, 1)
     accepted = torch.ones(100, 2, dtype=torch.bool)
     fresh.update(depths, torch.ones(100, 2, dtype=torch.bool), accepted)
@@ -390,7 +396,7 @@ def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
 
     engine = SimulatedEngine(rate=0.0, draft_pass=0.05, per_token=0.1)
     engine.stratified = True
-    sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    sizer = TreeSizer(max_passes=2, topk=1, max_nodes=3, explore_every=1000)
     # (of the last 50 steps; an exploration every 1000 steps may fall among them)
     assert arms_after(sizer, engine, 400, seed=0).count(OFF) >= 49
     engine.rate = 0.166
@@ -400,7 +406,7 @@ def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
     engine = SimulatedEngine(rate=0.40, draft_pass=0.05, per_token=0.1)
     engine.stratified = True
     assert gain(engine) > 1.15
-    sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=1000)
+    sizer = TreeSizer(max_passes=2, topk=1, max_nodes=3, explore_every=1000)
     assert arms_after(sizer, engine, 400, seed=2).count(OFF) <= 1  # starts
     engine.rate = 0.19
     assert 1.03 < gain(engine) < 1.05
@@ -416,7 +422,7 @@ def test_drafting_needs_a_margin_to_start_and_half_of_it_to_go_on():
 def test_the_band_in_which_the_sizer_keeps_its_side(gain, drafting_before, drafts):
     """The band's edges exactly, with costs and acceptance fixed: one draft must predict
     5% over no drafts to start, 2.5% to go on."""
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2, explore_every=10**6)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2, explore_every=10**6)
     for _ in range(3):
         sizer.observe_verify(1, 1, 1.0)
         sizer.observe_draft(1, 0, 0.05)
@@ -438,7 +444,7 @@ def test_explorations_back_off_while_no_drafts_keeps_winning():
     again once a tree wins."""
     engine = SimulatedEngine(rate=0.3, draft_pass=0.05, per_token=0.02)
     assert best_arm(engine, 64, candidate_sizes(3, 1, 4)) == OFF
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=32)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4, explore_every=32)
     run(sizer, engine, batch=64, steps=3000)
     late = [tuple(h[1:]) for h in sizer.history[-2000:]]
     assert 2000 // 256 <= sum(a != OFF for a in late) <= 2000 // 256 + 2, late
@@ -455,7 +461,7 @@ def test_while_a_tree_wins_no_drafts_is_probed_and_its_window_kept():
     a sample (a median of several) instead of replacing the window with one."""
     engine = SimulatedEngine(rate=0.8, draft_pass=0.02, per_token=0.001)
     assert best_arm(engine, 4, candidate_sizes(3, 1, 4)) != OFF
-    sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16)
+    sizer = TreeSizer(max_passes=3, topk=1, max_nodes=4, explore_every=16)
     run(sizer, engine, batch=4, steps=200)
     late = [tuple(h[1:]) for h in sizer.history[-160:]]
     assert late.count(OFF) >= 2 * (160 // 32), late  # one probe in every two explorations
@@ -469,7 +475,7 @@ def test_the_step_where_drafting_resumes_is_not_charged_to_no_drafts():
     """It verifies no drafts but costs more than a drafts-off step that follows another
     (vLLM's bookkeeping around the first drafts): its drafting is charged to the passes,
     the rest to nothing."""
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     resume = {"batch": 4, "passes": 1, "draft": 0.006, "catch_up": 0.010, "verified_nodes": 1,
               "decode_only": True}  # fmt: skip
     _charge(sizer, resume, period=0.070)
@@ -499,7 +505,7 @@ def test_a_loads_tail_at_a_smaller_batch_does_not_decide_for_the_full_batch():
     engine = Tails(rate=0.5, draft_pass=0.0, per_token=0.0)
     assert engine.tokens_per_second(4, (1, 2)) < 0.85 * engine.tokens_per_second(4, OFF)
     assert engine.tokens_per_second(3, (1, 2)) > 1.4 * engine.tokens_per_second(3, OFF)
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2, explore_every=1000)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2, explore_every=1000)
     for cycle in range(6):
         run(sizer, engine, batch=4, steps=40, seed=cycle)
         for _ in range(8):  # the tail drafted (say, the tree it was on before): cheap there
@@ -515,7 +521,7 @@ def test_acceptance_is_kept_per_temperature_class():
     drafts until explorations relearned it; per class, greedy drafts again at once."""
     greedy = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
     sampled = SimulatedEngine(rate=0.02, draft_pass=0.05, per_token=0.02)
-    sizer = TreeSizer(depth=2, topk=2, max_nodes=4)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     run(sizer, greedy, batch=1, steps=150)
     assert sizer.history[-1][1] > 0  # greedy drafts
     # (the sampled class starts from the greedy rates and unlearns them over ~150 steps)
@@ -528,7 +534,7 @@ def test_acceptance_is_kept_per_temperature_class():
 
 
 def test_a_mixed_batch_expects_the_classes_weighted_by_their_share():
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2)
     hits = torch.zeros(2, 2, dtype=torch.float64)
     trials = torch.zeros(2, 2, dtype=torch.float64)
     trials[1, 1] = 1000.0
@@ -549,7 +555,7 @@ def test_a_mixed_batch_expects_the_classes_weighted_by_their_share():
 def test_a_new_class_starts_from_the_others_rates_and_learns_its_own_fast():
     """A sampled load after a greedy profile starts from the greedy rates, not from the
     optimistic prior (0.5 a node), and a few steps of its own outvote them."""
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2)
     hits = torch.zeros(2, 2, dtype=torch.float64)
     trials = torch.zeros(2, 2, dtype=torch.float64)
     hits[1, 1], trials[1, 1] = 350.0, 1000.0  # greedy: E(1, 2) = 1.35
@@ -572,7 +578,7 @@ def test_a_profile_carries_both_classes():
     run(sizer, SimulatedEngine(rate=0.1, draft_pass=0.05, per_token=0.02), 1, 50, sampled=True)
     profile = json.loads(json.dumps(sizer.export_profile()))
     assert "acceptance_sampled" in profile
-    fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
+    fresh = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     fresh.load_profile(profile)
     for cls in ("greedy", "sampled"):
         _assert_same_rates(fresh.acceptance_of[cls], sizer.acceptance_of[cls])
@@ -583,7 +589,7 @@ def _assert_same_rates(loaded, source) -> None:
     PROFILE_TRIALS verified drafts of any node."""
     from eagle_vllm.sizing import PROFILE_TRIALS
 
-    for d in range(source.depth + 1):
+    for d in range(source.max_passes + 1):
         assert torch.allclose(loaded.rates(d), source.rates(d), atol=0.02)
     raw = source.hits / source.trials.clamp(min=1e-9)
     seen = source.trials > 0
@@ -610,7 +616,7 @@ def _serve_one_draft_at_four(
         "draft_seconds": {f"4,{d}": profile_speed * s for d, s in draft.items()},
         "acceptance": {"hits": [[0.0, 0.0], [0.0, hits]], "trials": [[0.0, 0.0], [0.0, trials]]},
     }
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2)
     sizer.load_profile(profile)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -669,7 +675,7 @@ def test_costs_are_kept_per_sampling_mode():
     assert engine.verify_seconds(1, 2, True) + engine.draft_seconds(1, 1) > 1.3 * (
         engine.verify_seconds(1, 1, True) + engine.draft_seconds(1, 0)
     )  # 1.3 tokens per step cannot pay for it
-    sizer = TreeSizer(depth=1, topk=1, max_nodes=2, explore_every=1000)
+    sizer = TreeSizer(max_passes=1, topk=1, max_nodes=2, explore_every=1000)
     run(sizer, engine, batch=1, steps=100)
     run(sizer, engine, batch=1, steps=100, seed=1, sampled=True)
     for cycle in range(4):
@@ -688,7 +694,7 @@ def test_a_profile_carries_the_sampled_mode_s_costs():
     engine.sampled_per_token = 0.3
     run(sizer, engine, batch=1, steps=60, sampled=True)
     profile = json.loads(json.dumps(sizer.export_profile()))
-    fresh = TreeSizer(depth=2, topk=2, max_nodes=4)
+    fresh = TreeSizer(max_passes=2, topk=2, max_nodes=4)
     fresh.load_profile(profile)
     verify, draft = (sizer.costs.bucket["sampled"][kind] for kind in ("verify", "draft"))
     measured = [(d, m) for d, m in sizer.arms if (1, m) in verify and (1, d) in draft]
@@ -725,7 +731,9 @@ def test_explorations_spend_at_most_their_budget(monkeypatch):
     best = best_arm(engine, 1, candidate_sizes(3, 1, 4))
 
     def overhead(budget: float) -> float:
-        sizer = TreeSizer(depth=3, topk=1, max_nodes=4, explore_every=16, explore_budget=budget)
+        sizer = TreeSizer(
+            max_passes=3, topk=1, max_nodes=4, explore_every=16, explore_budget=budget
+        )
         run(sizer, engine, batch=1, steps=400)
         late = [tuple(h[1:]) for h in run(sizer, engine, batch=1, steps=2000, seed=1)]
         late = [tuple(h[1:]) for h in sizer.history[-2000:]]
@@ -743,7 +751,7 @@ def test_big_trees_are_not_explored_where_every_node_costs_a_batch_of_tokens():
     bounded by more than a small tree's, or a 16-node tree (1024 tokens a step) "could
     still win" and is explored at several plain steps' cost."""
     engine = SimulatedEngine(rate=0.45, draft_pass=0.05, per_token=0.01)
-    sizer = TreeSizer(depth=2, topk=4, max_nodes=16, explore_every=32)
+    sizer = TreeSizer(max_passes=2, topk=4, max_nodes=16, explore_every=32)
     assert best_arm(engine, 64, sizer.arms) == OFF
     run(sizer, engine, batch=64, steps=1500)
     arms = [tuple(h[1:]) for h in sizer.history]
@@ -761,7 +769,7 @@ def test_exploring_a_tree_while_no_drafts_wins_is_priced_with_what_resuming_cost
     assert best_arm(engine, 16, candidate_sizes(2, 1, 3)) == OFF
 
     def explorations(resume_seconds: float) -> int:
-        sizer = TreeSizer(depth=2, topk=1, max_nodes=3, explore_every=4)
+        sizer = TreeSizer(max_passes=2, topk=1, max_nodes=3, explore_every=4)
         run(sizer, engine, batch=16, steps=50)
         sizer.observe_resume(16, engine.verify_seconds(16, 1) + resume_seconds)
         run(sizer, engine, batch=16, steps=2000, seed=1)
@@ -780,7 +788,7 @@ def test_a_bigger_tree_measured_cheaper_than_a_smaller_one_is_priced_as_the_smal
     verify read cheaper than a 4-node one (SmolLM2 on CPU, batch 1) and the sizer picked
     two passes of 6 nodes for a cost no 6-node tree has; costs are made non-decreasing in
     nodes (and in passes) before arms are compared."""
-    sizer = TreeSizer(depth=2, topk=4, max_nodes=6, explore_every=10**6)
+    sizer = TreeSizer(max_passes=2, topk=4, max_nodes=6, explore_every=10**6)
     assert {(1, 2), (1, 4), (2, 6)} <= set(sizer.arms)
     verify = {1: 0.030, 2: 0.034, 3: 0.037, 4: 0.040, 5: 0.041, 6: 0.033}  # 6: a dip
     draft = {0: 0.0, 1: 0.004, 2: 0.008}
@@ -800,3 +808,22 @@ def test_a_bigger_tree_measured_cheaper_than_a_smaller_one_is_priced_as_the_smal
     assert sizer.cost(1, (2, 6)) == pytest.approx(verify[5] + draft[2])
     assert sizer.cost(1, (1, 4)) == pytest.approx(verify[4] + draft[1])  # measured: kept
     assert sizer.choose(1).arm == (1, 2)  # 1.45 / 0.038 s, the best arm at non-decreasing costs
+
+
+def test_choose_is_a_question_and_commit_its_answer():
+    """``choose`` depends only on its arguments and the measured state: asking twice gives
+    the same decision and changes nothing; ``commit`` applies the decision's bookkeeping."""
+    engine = SimulatedEngine(rate=0.6, draft_pass=0.02, per_token=0.004)
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4, explore_every=8)
+    run(sizer, engine, batch=4, steps=40)
+
+    def state():
+        return (sizer.steps, sizer._explore_credit, sizer._explore_interval,
+                sizer._last_best, sizer._repeat, len(sizer.history), dict(sizer.costs.renew))  # fmt: skip
+
+    before = state()
+    first, again = sizer.choose(4), sizer.choose(4)
+    assert first == again and state() == before
+    assert sizer.choose(4, num_sampled=4).sampled_share == 1.0 and state() == before
+    sizer.commit(first)
+    assert sizer.steps == before[0] + 1 and sizer.history[-1] == (4, *first.arm)

@@ -1,0 +1,39 @@
+"""The plugin's worker without an eagle_vllm config (the benchmarks' ``vanilla-timed`` and
+``ngram-timed``): vLLM's own decoding, untouched, with the runner's phases timed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ENGINE_KW, shutdown
+from test_eagle_chain import PROMPTS, greedy, token_ids
+
+pytestmark = pytest.mark.vllm
+
+WORKER = "eagle_vllm.engine.worker.EagleWorker"
+
+
+@pytest.fixture(scope="module")
+def vanilla_tokens(tiny):
+    import vllm
+
+    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
+    try:
+        return token_ids(llm.generate(PROMPTS, greedy()))
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram",
+                         "num_speculative_tokens": 3, "prompt_lookup_min": 2}])  # fmt: skip
+def test_plugin_worker_runs_vllms_own_decoding(tiny, vanilla_tokens, speculative_config):
+    import vllm
+
+    llm = vllm.LLM(str(tiny["target"]), worker_cls=WORKER,
+                   speculative_config=speculative_config, **ENGINE_KW)  # fmt: skip
+    try:
+        got = token_ids(llm.generate(PROMPTS, greedy()))
+        (timings,) = llm.collective_rpc("eagle_vllm_timings")
+    finally:
+        shutdown(llm)
+    assert got == vanilla_tokens
+    assert timings["execute_model"]["calls"] > 0 and timings["sample_tokens"]["calls"] > 0
