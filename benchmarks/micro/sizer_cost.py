@@ -37,7 +37,7 @@ def run(profile: dict, batch: int, steps: int, seed: int = 0) -> tuple[float, fl
     sizer = TreeSizer(profile["depth"], profile["topk"], profile["max_nodes"])
     sizer.load_profile(profile)
     verify = {m: 0.034 + 0.0012 * (m - 1) * batch for m in range(1, sizer.max_nodes + 1)}
-    draft = {d: 0.004 * d for d in range(sizer.depth + 1)}
+    draft = {d: 0.004 * d for d in range(sizer.max_passes + 1)}
     choose_s = observe_s = 0.0
     chosen: Counter = Counter()
     for _ in range(steps):

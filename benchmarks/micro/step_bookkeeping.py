@@ -42,7 +42,7 @@ def main() -> None:
         tb.step(logprobs, token_ids)
         tb.finalize(pad_to=4)
 
-    stats = AcceptanceStats(depth=4, max_nodes=16)
+    stats = AcceptanceStats(max_passes=4, max_nodes=16)
     depths = torch.tensor([[0, 1, 1, 1]])
     valid = torch.ones(1, 4, dtype=torch.bool)
     accepted = torch.tensor([[True, False, True, False]])

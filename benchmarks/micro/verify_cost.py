@@ -128,7 +128,7 @@ def main() -> None:
                 step = StepState(StepRecord(started=0.0, decode_only=True), positions=positions)
 
                 def run(spec=spec, rows=rows, meta=meta, step=step):
-                    with verifier.verifying(step):
+                    with verifier.bound_to(step):
                         return verifier(spec, None, rows.clone(), meta)
 
                 row.append(f"{median_ms(run, args.iters):.2f}")
