@@ -41,11 +41,13 @@ does not depend on the sequence length; the explicit nodes of the current suffix
 matches of the context against the request's own text, so matching it costs nothing. A
 leaf that a second occurrence reaches is split one level at a time (each append makes at
 most one node per suffix). Removing a sequence walks its suffixes down to their leaves.
-A compressed suffix tree (ArcticInference) gives the same bounds with less memory for long
-unique stretches, but needs node splitting and merging with reference fixing on removal;
+A compressed suffix tree (ArcticInference) has the same update bounds and stores a repeated
+stretch as one edge instead of one node per token, so it needs less memory on very
+repetitive text (about 3.5 nodes per token on SmolLM2's own answers, 70-80 MB for 1000
+responses of 300 tokens), but it splits and merges edges and fixes references on removal;
 a suffix automaton cannot give per-node continuation counts incrementally. Storage is flat
-(``array`` counts and leaf pointers, one small ``dict`` of children per explicit node), so
-the garbage collector tracks no per-node objects.
+(lists of counts and leaf pointers; children as one packed int or a small dict), so the
+garbage collector tracks no per-node objects.
 
 Counts and probabilities
 ------------------------
@@ -71,12 +73,20 @@ Candidates: :func:`propose`
    of its cache key and the seed corpus act as one index over all their text, so a
    continuation seen in the request's text and in past answers gets the evidence of both,
    and the context's own occurrence discounts global-only evidence too.
-4. Expansion: best-first by path probability over all groups at once, longest match first
-   on ties. A path predicted by several groups is one node, with the best of their
-   probabilities (the first to be popped), and the children each group predicts below it.
-   A node is kept if its path probability is at least ``min_prob`` (ArcticInference's
-   ``min_token_prob`` is also a path probability), up to ``max_nodes`` nodes counting the
-   root.
+4. Expansion: best-first by path probability over all groups at once (ties: shallower
+   node, then earlier parent, then smaller token id). A path predicted by several groups is
+   one node, with the best of their probabilities (the first to be popped), and the
+   children each group predicts below it. A node is kept if its path probability is at
+   least ``min_prob`` (ArcticInference's ``min_token_prob`` is also a path probability), up
+   to ``max_nodes`` nodes counting the root. (ArcticInference instead drafts from the one
+   match length whose draft scores best; a tree can take the best of every length.)
+
+Cost (``benchmarks/micro/suffix_cost.py``, SmolLM2's own answers, 2-core CPU): extend +
+propose ~50-90 us per request per step from the request's own text, ~120-210 us with a
+global cache of 1000 responses of 300 tokens, at 1 to 64 requests; indexing a 2048-token
+prompt 3-13 ms (plain to very repetitive text); finishing a request (caching its response
+and evicting the oldest) ~5 ms. Short global contexts have thousands of children, so nodes
+with more than 16 keep the few above 1/32 of their count, maintained as counts change.
 
 Output (:class:`SuffixCandidates`) follows :mod:`eagle_vllm.tree.layout`: node 0 is the
 root (the context's last token, already accepted), the others are in the order they were
@@ -131,7 +141,9 @@ CacheKey = tuple[str | None, str | None]
 _SHIFT = 32  # leaf pointer = (sequence slot << _SHIFT) | start
 _MASK = (1 << _SHIFT) - 1
 _OWN = -1  # cursor node of "the context's own occurrence": count 1, no continuation yet
-_TOP_MIN = 16  # nodes with more children keep them sorted by count (SuffixIndex._tops)
+_TOP_MIN = 16  # nodes with more children keep a list of their heavy ones (SuffixIndex._tops)
+_TOP_SHIFT = 5  # heavy: count >= 1/32 of the node's, enough for min_prob 0.1 over 3 indexes
+_TOP_MAX = 128  # a heavy list grown past this is rebuilt (its cut has become too low)
 
 
 def cache_key(cache_salt: str | None = None, lora_name: str | None = None) -> CacheKey:
@@ -149,10 +161,11 @@ class SuffixIndex:
     elsewhere too (<= ``max_len``); :meth:`remove` O(sum over the sequence's positions of
     how deep its suffix is repeated); :meth:`count` O(len(pattern)).
 
-    Storage (flat, so the garbage collector tracks no per-node objects): ``_count`` and
-    ``_ptr`` arrays per node, and ``_kids[node]``: None (no children), an int (one child,
-    packed as ``token << 32 | child``: most explicit nodes of repetitive text have one
-    child, and an int is ~6x smaller than a dict), or a dict ``token -> child``.
+    Storage (flat, so the garbage collector tracks no per-node objects): ``_count[node]``
+    and ``_ptr[node]`` (lists of ints: faster than ``array``, which boxes on every read),
+    and ``_kids[node]``: None (no children), an int (one child, packed as
+    ``token << 32 | child``: most explicit nodes of repetitive text have one child, and an
+    int is ~6x smaller than a dict), or a dict ``token -> child``.
     """
 
     __slots__ = (
@@ -174,21 +187,26 @@ class SuffixIndex:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self.max_len = int(max_len)
         # Node 0 is the root; its count is the number of indexed tokens.
-        self._count = array("q", [0])  # occurrences of the node's string
-        self._ptr = array("q", [-1])  # leaf: (slot << 32) | start of its one occurrence; else -1
+        self._count = [0]  # occurrences of the node's string
+        self._ptr = [-1]  # leaf: (slot << 32) | start of its one occurrence; else -1
         self._kids: list[int | dict[int, int] | None] = [None]
         self._free: list[int] = []  # ids of removed nodes, reused first
         self._seqs: dict[int, array] = {}  # slot -> tokens
         self._slots: dict[Hashable, int] = {}  # sequence id -> slot
         self._next_slot = 0  # slots are never reused: a stale leaf pointer would alias
-        # slot -> explicit nodes of the sequence's repeated suffixes, lengths 1, 2, ...
+        # slot -> [root, explicit nodes of the sequence's repeated suffixes of lengths
+        # 1, 2, ... < max_len]: the suffixes an append extends
         self._active: dict[int, list[int]] = {}
         # Slots whose active list another sequence's insertion made stale (see _resync).
         self._stale: set[int] = set()
-        # node -> its children as (count, token, child), count descending; only for nodes
-        # with more than _TOP_MIN children (the short contexts of a big global index, read
-        # by every request each step), dropped whenever one of those counts changes.
-        self._tops: dict[int, list[tuple[int, int, int]]] = {}
+        # node -> [cut, {token: child}] holding at least every child whose count is
+        # >= cut, for nodes with more than _TOP_MIN children: the short contexts of a big
+        # global index, which every request reads every step. Candidates need only the
+        # children above min_prob of the node's count, so a query reads these few instead
+        # of scanning thousands. Kept up to date as counts change (a child that reaches
+        # the cut joins; one that falls below may stay: a superset is still exact, since
+        # queries filter by the live counts), so the cache survives inserts and evictions.
+        self._tops: dict[int, list] = {}
 
     # ------------------------------------------------------------------ building
     def _free_node(self, node: int) -> None:
@@ -205,8 +223,11 @@ class SuffixIndex:
             self._kids[u] = None
             return
         del ku[t]  # type: ignore[union-attr]
-        self._tops.pop(u, None)
+        h = self._tops.get(u)
+        if h is not None:
+            h[1].pop(t, None)
         if len(ku) == 1:  # type: ignore[arg-type]
+            self._tops.pop(u, None)
             ((t1, c1),) = ku.items()  # type: ignore[union-attr]
             self._kids[u] = (t1 << _SHIFT) | c1
 
@@ -218,11 +239,11 @@ class SuffixIndex:
             self._next_slot += 1
             self._slots[seq_id] = slot
             self._seqs[slot] = array("q")
-            self._active[slot] = []
+            self._active[slot] = [0]
         elif slot in self._stale:
             self._resync(slot)
         seq = self._seqs[slot]
-        active = self._active[slot]
+        active = self._active[slot]  # active[d]: the node of the suffix of length d
         seqs, tops, free = self._seqs, self._tops, self._free
         count, ptr, kids = self._count, self._ptr, self._kids
         max_len = self.max_len
@@ -232,11 +253,11 @@ class SuffixIndex:
             n = len(seq)
             seq.append(t)
             count[0] += 1
-            new_active: list[int] = []
-            # Suffix lengths before the append: d = 0 (the suffix starting at n) and the
-            # repeated ones, shortest first; a suffix of length max_len cannot grow.
-            for d in range(min(len(active), max_len - 1) + 1):
-                u = active[d - 1] if d else 0
+            new_active = [0]
+            keep = new_active.append
+            # Suffix lengths before the append: d = 0 (the suffix starting at n, at the
+            # root) and the repeated ones, shortest first (all shorter than max_len).
+            for d, u in enumerate(active):
                 ku = kids[u]
                 if ku is None:
                     c = -1
@@ -262,8 +283,11 @@ class SuffixIndex:
                         kids[u] = {ku >> _SHIFT: ku & _MASK, t: c}
                     else:
                         ku[t] = c  # type: ignore[index]
-                        if u in tops:
-                            del tops[u]
+                        h = tops.get(u)
+                        if h is not None and h[0] <= 1:
+                            h[1][t] = c
+                            if len(h[1]) > _TOP_MAX:
+                                del tops[u]
                     continue
                 p = ptr[c]
                 if p >= 0:
@@ -288,11 +312,18 @@ class SuffixIndex:
                         # has not listed this now repeated suffix among its active ones.
                         self._stale.add(p >> _SHIFT)
                     ptr[c] = -1
-                count[c] += 1
-                if u in tops:
-                    del tops[u]
-                new_active.append(c)
-            active[:] = new_active
+                k = count[c] + 1
+                count[c] = k
+                h = tops.get(u)
+                if h is not None and k >= h[0]:
+                    h[1][t] = c
+                    if len(h[1]) > _TOP_MAX:
+                        del tops[u]
+                keep(c)
+            if len(new_active) > max_len:  # a suffix of length max_len cannot grow
+                del new_active[max_len:]
+            active = new_active
+        self._active[slot] = active
 
     def _resync(self, slot: int) -> None:
         """Rebuild a sequence's active list (its suffixes at explicit nodes) by walking.
@@ -305,8 +336,8 @@ class SuffixIndex:
         """
         self._stale.discard(slot)
         seq = self._seqs[slot]
-        active: list[int] = []
-        for m in range(1, min(len(seq), self.max_len) + 1):
+        active = [0]
+        for m in range(1, min(len(seq), self.max_len - 1) + 1):
             cur = self._walk(seq[len(seq) - m :])
             if cur is None or self._ptr[cur[0]] >= 0:
                 break  # a leaf: this suffix and every longer one occur only here
@@ -319,7 +350,7 @@ class SuffixIndex:
         seq = self._seqs.pop(slot)
         del self._active[slot]
         self._stale.discard(slot)
-        count, ptr, kids, tops = self._count, self._ptr, self._kids, self._tops
+        count, ptr, kids = self._count, self._ptr, self._kids
         max_len = self.max_len
         n = len(seq)
         count[0] -= n
@@ -347,9 +378,7 @@ class SuffixIndex:
                         else:
                             c = next(iter(kc.values()))  # type: ignore[union-attr]
                     break
-                count[c] = left
-                if u in tops:
-                    del tops[u]
+                count[c] = left  # a heavy child may fall below its cut: still a superset
                 u = c
 
     # ------------------------------------------------------------------ queries
@@ -433,18 +462,14 @@ class SuffixIndex:
             return [(k, ku >> _SHIFT, c)] if k >= least else []
         if len(ku) <= _TOP_MIN:  # type: ignore[arg-type]
             return [(k, t, c) for t, c in ku.items() if (k := count[c]) >= least]  # type: ignore[union-attr]
-        top = self._tops.get(node)
-        if top is None:
-            top = sorted(((count[c], t, c) for t, c in ku.items()), reverse=True)  # type: ignore[union-attr]
-            self._tops[node] = top
-        if least <= top[-1][0]:
-            return top
-        out = []
-        for e in top:
-            if e[0] < least:
-                break
-            out.append(e)
-        return out
+        entry = self._tops.get(node)
+        if entry is None or least < entry[0]:
+            # Scan once; keep the heavy children (cut from the node's current count).
+            every = [(count[c], t, c) for t, c in ku.items()]  # type: ignore[union-attr]
+            cut = max(1, count[node] >> _TOP_SHIFT)
+            self._tops[node] = [cut, {t: c for k, t, c in every if k >= cut}]
+            return [e for e in every if e[0] >= least]
+        return [(k, t, c) for t, c in entry[1].items() if (k := count[c]) >= least]
 
     def _child(self, node: int, depth: int, t: int) -> tuple[int, int] | None:
         """``(count, child node)`` of token ``t`` below a cursor, or None."""
@@ -462,6 +487,51 @@ class SuffixIndex:
             return (self._count[ku & _MASK], ku & _MASK) if ku >> _SHIFT == t else None
         c = ku.get(t)  # type: ignore[union-attr]
         return None if c is None else (self._count[c], c)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the structure is inconsistent (tests, debugging).
+
+        Checks every stored node: children's counts sum to at most the parent's, leaves
+        count 1 and point at a live occurrence spelling their path, depths <= max_len,
+        one-child nodes are packed, every node is reachable once, and the heavy-children
+        lists hold at least every child at or above their cut, all of them live children.
+        """
+        count, ptr, kids, seqs = self._count, self._ptr, self._kids, self._seqs
+        seen = 0
+        stack = [(0, 0, ())]  # (node, depth, last max_len tokens of its path)
+        while stack:
+            u, d, path = stack.pop()
+            seen += 1
+            assert d <= self.max_len
+            p = ptr[u]
+            if p >= 0:
+                assert count[u] == 1 and kids[u] is None, u
+                seq = seqs[p >> _SHIFT]
+                start = p & _MASK
+                assert start + d <= len(seq) and tuple(seq[start : start + d]) == path, u
+                continue
+            ku = kids[u]
+            items = []
+            if ku.__class__ is int:
+                items = [(ku >> _SHIFT, ku & _MASK)]
+            elif ku is not None:
+                assert len(ku) >= 2, u  # type: ignore[arg-type]
+                items = list(ku.items())  # type: ignore[union-attr]
+            assert u == 0 or count[u] >= 1, u
+            assert sum(count[c] for _, c in items) <= count[u], u
+            for t, c in items:
+                assert count[c] >= 1, (u, t)
+                stack.append((c, d + 1, path + (t,)))
+            h = self._tops.get(u)
+            if h is not None:
+                assert ku.__class__ is dict, u
+                live = dict(items)
+                for t, c in h[1].items():
+                    assert live.get(t) == c, (u, t)
+                for t, c in items:
+                    assert count[c] < h[0] or t in h[1], (u, t)
+        assert seen == self.num_nodes, (seen, self.num_nodes)
+        assert all(count[f] == 0 and kids[f] is None for f in self._free)
 
     def count(self, pattern: Sequence[int]) -> int:
         """Occurrences of ``pattern`` (0 if longer than ``max_len``); () counts tokens."""
@@ -593,13 +663,18 @@ def _expand(root: int, groups: list[_Group], max_nodes: int, min_prob: float) ->
             # tokens, then sum each one's counts over all the indexes.
             den = sum(ix._cursor_count(node) for ix, node, _ in cursors)
             least = min_prob * den / prob * slack / len(cursors)
-            toks = {t for ix, node, d in cursors for _, t, _ in ix._children(node, d, least)}
+            per = [
+                {t: (c, child) for c, t, child in ix._children(node, d, least)}
+                for ix, node, d in cursors
+            ]
             items = []
-            for t in toks:
+            for t in set().union(*per):
                 c = 0
                 below = []
-                for ix, node, d in cursors:
-                    hit = ix._child(node, d, t)
+                for (ix, node, d), got in zip(cursors, per):
+                    hit = got.get(t)
+                    if hit is None:  # under this index's share: look its count up
+                        hit = ix._child(node, d, t)
                     if hit is not None:
                         c += hit[0]
                         below.append((ix, hit[1], d + 1))
@@ -626,7 +701,8 @@ def _expand(root: int, groups: list[_Group], max_nodes: int, min_prob: float) ->
             parents.append(parent)
             scores.append(math.log(-negp))
             depths.append(depth)
-            match_len = max(match_len, -neg_m)
+            if -neg_m > match_len:
+                match_len = -neg_m
         if depth < limit:
             push(-negp, cursors, node, depth + 1, -neg_m, limit)
     return SuffixCandidates(tokens, parents, scores, depths, match_len)
@@ -854,10 +930,14 @@ class RequestSuffixes:
     ``add_request`` when a request is scheduled, ``extend`` with every step's accepted
     tokens (including the token sampled at prefill), ``propose`` before drafting,
     ``finish`` when it finishes (its response goes to the global cache under its key) or
-    ``remove`` when it is aborted (nothing is cached).
+    ``remove`` when it is aborted (nothing is cached). ``max_len`` defaults to the global
+    cache's (32 without one). Each request's index is its own object: dropping a request
+    frees it, and one request's text never reaches another's except through ``finish``.
     """
 
-    def __init__(self, global_cache: GlobalSuffixCache | None = None, max_len: int | None = None):
+    def __init__(
+        self, global_cache: GlobalSuffixCache | None = None, max_len: int | None = None
+    ) -> None:
         if max_len is None:
             max_len = global_cache.max_len if global_cache is not None else 32
         self.max_len = int(max_len)
@@ -871,14 +951,16 @@ class RequestSuffixes:
         return len(self._reqs)
 
     def add_request(
-        self, req_id: Hashable, prompt_ids: Sequence[int], key: CacheKey = (None, None)
+        self, req_id: Hashable, prompt_ids: Sequence[int], cache_key: CacheKey = (None, None)
     ) -> None:
-        """Start indexing a request: its prompt now, its output via :meth:`extend`."""
+        """Start indexing a request: its prompt now, its output via :meth:`extend`.
+        ``cache_key``: ``(cache_salt, lora_name)``, which global responses it may draft
+        from and where its own response goes."""
         if req_id in self._reqs:
             raise KeyError(f"request {req_id!r} is already indexed")
         index = SuffixIndex(self.max_len)
         index.extend(0, prompt_ids)
-        self._reqs[req_id] = _Request(index, len(prompt_ids), key)
+        self._reqs[req_id] = _Request(index, len(prompt_ids), cache_key)
 
     def extend(self, req_id: Hashable, new_ids: Sequence[int]) -> None:
         """Append accepted tokens; costs O(max_len) per token at most, whatever the length."""
@@ -932,7 +1014,7 @@ class RequestSuffixes:
         # context's own occurrence alone (count 1, no continuation yet): needed only up to
         # the longest match elsewhere, as its share of their denominators.
         active = index._active[index._slots[0]]
-        own = [(node, m) for m, node in enumerate(active, 1)]
+        own = [(node, m) for m, node in enumerate(active) if m]
         longest = min(max(map(len, others), default=0), len(ctx), index.max_len)
         own += [(_OWN, m) for m in range(len(own) + 1, longest + 1)]
         matches = [own] + others

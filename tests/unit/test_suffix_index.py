@@ -1,7 +1,9 @@
 """Property tests for the suffix index and its candidate trees (eagle_vllm.drafting.suffix).
 
 Everything is checked against brute force on random token streams over small alphabets
-(many repeats, so the explicit nodes, leaf splits and removals are all exercised):
+(many repeats, so the explicit nodes, leaf splits and removals are all exercised), and on
+nodes with dozens to hundreds of children (the cached heavy-children lists), with
+``SuffixIndex.check_integrity`` after every change:
 
 * counts: ``count(s)`` and ``continuations(s)`` equal counting over the indexed text, for
   every substring of the text (and every one-token extension, present or not), after any
@@ -13,6 +15,9 @@ Everything is checked against brute force on random token streams over small alp
 * candidate trees are valid layouts (topological, parents < i, scores non-increasing,
   budget, depth, min_prob) and are exactly the best-first selection of a brute-force
   enumeration of the rule in the module docstring; hand-built cases pin the order.
+
+Hypothesis runs derandomized (the same examples each run); ``SUFFIX_EXAMPLES=500`` runs
+more of them.
 """
 
 from __future__ import annotations
@@ -209,6 +214,7 @@ def test_counts_match_brute_force(ops, max_len, alphabet):
             continue
         ix.extend(sid, toks)
         live.setdefault(sid, []).extend(toks)
+        ix.check_integrity()
         assert_counts(ix, list(live.values()), alphabet)
     assert len(ix) == len(live) and ix.num_tokens == sum(map(len, live.values()))
     # removing everything frees every node but the root
@@ -453,16 +459,21 @@ def test_wide_nodes_stay_exact_under_churn():
     """A token followed by dozens of others (the sorted-children path of wide nodes, and
     its invalidation on every insert and eviction) against brute force."""
     rng = random.Random(99)
-    cache = GlobalSuffixCache(25, max_len=4)
-    history: list[list[int]] = []
-    for step in range(120):
-        resp = [rng.randrange(60) for _ in range(rng.randint(2, 8))]
-        resp[0] = 0
-        if rng.random() < 0.5:
-            resp[1] = rng.randrange(3)  # a few frequent successors among many rare ones
-        cache.add((None, None), resp)
-        history = (history + [resp])[-25:]
-        (ix,) = cache.indexes_for((None, None))
+    ix = SuffixIndex(4)
+    live: dict[int, list[int]] = {}
+    for step in range(200):
+        if len(live) > 50 or (live and rng.random() < 0.3):  # read after every change
+            del live[sid := rng.choice(list(live))]
+            ix.remove(sid)
+        else:
+            resp = [rng.randrange(60) for _ in range(rng.randint(2, 8))]
+            resp[0] = 0
+            if rng.random() < 0.5:
+                resp[1] = rng.randrange(3)  # a few frequent successors among many rare ones
+            ix.extend(step, resp)
+            live[step] = resp
+        history = list(live.values())
+        ix.check_integrity()
         assert ix.continuations([0]) == brute_continuations(history, [0], 4)
         if step % 10 == 9:
             assert_counts(ix, history, 2)
@@ -471,6 +482,36 @@ def test_wide_nodes_stay_exact_under_churn():
             got = propose([5, 0], [ix], **kw)
             best = brute_propose([5, 0], [(history, 4)], 8, 2, min_prob, None)
             assert_best_first(got, best, 0, **kw)
+
+
+def test_very_wide_node_thresholds():
+    """A node with hundreds of occurrences: queries below, at and above the cut of its
+    cached heavy children (1/32 of its count) agree with brute force, across churn."""
+    rng = random.Random(5)
+    ix = SuffixIndex(3)
+    live = {i: [0, min(rng.randrange(30), rng.randrange(30))] for i in range(400)}
+    for i, s in live.items():
+        ix.extend(i, s)
+    for step in range(400):
+        # churn: counts cross the heavy cut both ways, heavy children die, ids are reused
+        if rng.random() < 0.5:
+            del live[i := rng.choice(sorted(live))]
+            ix.remove(i)
+        else:
+            live[i := 1000 + step] = [0, min(rng.randrange(30), rng.randrange(30))]
+            ix.extend(i, live[i])
+        propose([0], [ix], max_nodes=40, max_depth=1, min_prob=0.03)  # reads the heavy list
+        ix.check_integrity()
+        if step % 50:
+            continue
+        history = list(live.values())
+        assert ix.continuations([0]) == brute_continuations(history, [0], 3)
+        for min_prob in (0.0, 0.004, 0.01, 0.03, 0.1):
+            kw = dict(max_nodes=40, max_depth=1, min_prob=min_prob, spec_factor=None)
+            got = propose([0], [ix], **kw)
+            assert_best_first(
+                got, brute_propose([0], [(history, 3)], 40, 1, min_prob, None), 0, **kw
+            )
 
 
 def test_candidates_to_tree_is_a_valid_layout():
