@@ -186,9 +186,10 @@ class EagleCPUModelRunner(CPUModelRunner):
 
     # -- 3. the target forward, with tree masks ----------------------------------
     def _model_forward(self, *args, **kwargs):
-        if self.step is not None and self.step.tree_batch is not None:
-            vs.attach_tree_batch(self.step.tree_batch)
-        return super()._model_forward(*args, **kwargs)
+        with self.timings.phase("target_forward"):
+            if self.step is not None and self.step.tree_batch is not None:
+                vs.attach_tree_batch(self.step.tree_batch)
+            return super()._model_forward(*args, **kwargs)
 
     # -- 4. verification, acceptance statistics, KV compaction -------------------
     def sample_tokens(self, *args, **kwargs):

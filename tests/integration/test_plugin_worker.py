@@ -36,4 +36,6 @@ def test_plugin_worker_runs_vllms_own_decoding(tiny, vanilla_tokens, speculative
     finally:
         shutdown(llm)
     assert got == vanilla_tokens
-    assert timings["execute_model"]["calls"] > 0 and timings["sample_tokens"]["calls"] > 0
+    # the phases benchmarks split a step into (bench.py's time split)
+    for phase in ("execute_model", "target_forward", "verify", "sample_tokens"):
+        assert timings[phase]["calls"] > 0, (phase, timings)
