@@ -1,10 +1,14 @@
 """Every access to vLLM internals that are not its public API, in one place.
 
 The plugin is written against one vLLM minor version (``PINNED``); importing this
-module checks it, so a different vLLM fails at start-up with a clear message instead
-of misbehaving in a step. The rest of the plugin reaches vLLM's private state only
-through these functions (the runner and drafter subclasses still override vLLM's own
-hook methods, listed in ``engine/runner.py``).
+module (the plugin's ``register`` does, in every vLLM process) checks it, so another
+vLLM fails at start-up with a clear message instead of misbehaving in a step. The rest
+of the plugin reaches vLLM's private state only through these functions. The other
+points of contact are the vLLM classes the plugin subclasses, each in the module that
+extends it: the model runner's hook methods (``engine/runner.py``, listed there in call
+order), ``EagleProposer`` (``engine/proposer.py``), ``RejectionSampler`` and the sampler
+ops it reuses (``engine/sampler.py``), the CPU attention backend
+(``attention/cpu_backend.py``) and ``RayExecutorV2`` (``ray_cpu.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,17 @@ def slots_of(block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Ten
     draft KV). vLLM's own ``compute_slot_mapping`` writes the step's live buffer, which
     the drafter's first pass still reads, so it cannot be asked for other positions."""
     return block_table[rows, positions // size].long() * size + positions % size
+
+
+# -- the runner's step buffers (vllm/v1/worker/gpu_model_runner.py) ----------------
+def query_starts(runner) -> torch.Tensor:
+    """[num_reqs + 1] first flat token row of each request this step (CPU copy)."""
+    return runner.query_start_loc.cpu
+
+
+def step_input_ids(runner) -> torch.Tensor:
+    """[num_tokens] this step's input token ids, as the model reads them."""
+    return runner.input_ids.gpu
 
 
 # -- attention layers and the paged KV cache ---------------------------------------

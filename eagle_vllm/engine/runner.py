@@ -143,7 +143,7 @@ class EagleCPUModelRunner(CPUModelRunner):
             return None
         index = drafted.row_of()
         spec = scheduler_output.scheduled_spec_decode_tokens
-        query_start = self.query_start_loc.cpu
+        query_start = vs.query_starts(self)
         rows, roots, parents, depths = [], [], [], []
         for req_id, draft_ids in spec.items():
             k = len(draft_ids)
@@ -263,7 +263,7 @@ class EagleCPUModelRunner(CPUModelRunner):
             yield
             return
         n = self.input_batch.num_reqs
-        last = self.query_start_loc.cpu[1 : n + 1].to(torch.int64) - 1
+        last = vs.query_starts(self)[1 : n + 1].to(torch.int64) - 1
         positions = self.positions.to("cpu", torch.int64)[last] + 1
         original = metadata.generators
         metadata.generators = position_keyed_generators(original, positions)
@@ -404,7 +404,7 @@ class EagleCPUModelRunner(CPUModelRunner):
 
     def _first_scheduled_positions(self) -> torch.Tensor:
         num_reqs = self.input_batch.num_reqs
-        starts = self.query_start_loc.cpu[:num_reqs].to(torch.int64)
+        starts = vs.query_starts(self)[:num_reqs].to(torch.int64)
         return self.positions.to("cpu", torch.int64)[starts]
 
     def _accepted_path_as_chain(self, step: StepState, hidden_states: torch.Tensor):
@@ -427,7 +427,7 @@ class EagleCPUModelRunner(CPUModelRunner):
         perm = torch.arange(hidden_states.shape[0])
         perm[dst] = src
         hidden_states = hidden_states[perm]
-        input_ids = self.input_ids.gpu
+        input_ids = vs.step_input_ids(self)
         input_ids[dst] = input_ids[src].clone()
         offsets = torch.arange(width)[None, :].expand_as(order)
         self.positions[dst] = (tb.root_pos[:, None] + offsets)[valid]
