@@ -42,7 +42,7 @@ Kernel
     dtypes fp32 / fp16 / bf16 (fp32 dots in IEEE precision, not TF32), any head size up
     to 256 (padded to a power of two, at least 16), power-of-two block sizes. There is
     no split over the prefix yet: with few trees and kv heads, long prefixes run on few
-    programs (see ``benchmarks/tree_attention_gpu.py``).
+    programs (see ``benchmarks/micro/tree_attention_gpu.py``).
 
 Everything but :func:`tree_paged_attention` is pure torch; triton is imported only
 when the kernel is first called, so this module imports on machines without it.
