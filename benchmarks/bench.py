@@ -41,6 +41,7 @@ from common import (  # noqa: E402
     read_timings,
     reset_timings,
     run_as_worker,
+    run_subcommands,
     run_systems,
     shutdown,
     sizer_bucket,
@@ -493,27 +494,11 @@ def curve(args, argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{table,curve}")
     modes = {
         "table": (TABLE_HELP, TABLE_DOC, add_table_args, table),
         "curve": (CURVE_HELP, CURVE_DOC, add_curve_args, curve),
     }
-    for name, (short, doc, add_args, _) in modes.items():
-        add_args(
-            sub.add_parser(
-                name,
-                help=short,
-                description=doc,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-            )
-        )
-    args = p.parse_args(argv)
-    # the subcommand is in argv (workers rerun it); OUT.json keeps the mode's own arguments
-    command = vars(args).pop("command")
-    return modes[command][3](args, argv)
+    return run_subcommands(__doc__, modes, argv)
 
 
 if __name__ == "__main__":

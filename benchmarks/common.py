@@ -9,6 +9,7 @@ imports what it needs when called, so every script's ``--help`` works without th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -273,3 +274,25 @@ def write_results(out: str, args, rows: list[dict], md: str) -> None:
     """``OUT.json`` (the arguments and every row) and ``OUT.md``."""
     Path(out + ".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     Path(out + ".md").write_text(md)
+
+
+def run_subcommands(doc: str, modes: dict, argv: list[str] | None) -> int:
+    """Parse ``argv`` as one of ``modes`` (name -> (help, description, add_args, run)) and
+    run it. The subcommand stays in argv (worker processes rerun it); ``run`` gets the
+    mode's own arguments, so OUT.json records those alone."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="_mode", required=True, metavar="{" + ",".join(modes) + "}")
+    for name, (short, description, add_args, _) in modes.items():
+        add_args(
+            sub.add_parser(
+                name,
+                help=short,
+                description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    args = p.parse_args(argv)
+    mode = vars(args).pop("_mode")
+    return modes[mode][3](args, argv)

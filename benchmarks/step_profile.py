@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     read_timings,
     reset_timings,
     run_as_worker,
+    run_subcommands,
     run_systems,
     shutdown,
     sizer_bucket,
@@ -599,23 +600,7 @@ MODES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="mode", required=True, metavar="{" + ",".join(MODES) + "}")
-    for name, (short, doc, add_args, _) in MODES.items():
-        add_args(
-            sub.add_parser(
-                name,
-                help=short,
-                description=doc,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-            )
-        )
-    args = p.parse_args(argv)
-    # the mode is in argv (workers rerun it); OUT.json keeps the mode's own arguments
-    mode = vars(args).pop("mode")
-    return MODES[mode][3](args, argv)
+    return run_subcommands(__doc__, MODES, argv)
 
 
 if __name__ == "__main__":

@@ -306,11 +306,12 @@ class EagleCPUModelRunner(CPUModelRunner):
                     self._catch_up(self._first_scheduled_positions())
                 if step.tree_batch is not None:
                     hidden_states = self._accepted_path_as_chain(step, hidden_states)
-                step.structured_req_ids = frozenset(
-                    r for r in step.req_ids
-                    if (p := self.requests[r].sampling_params) is not None
-                    and p.structured_outputs is not None
-                )  # fmt: skip
+                if self.eagle_config.draft_sample_method == "sample":  # only they read it
+                    step.structured_req_ids = frozenset(
+                        r for r in step.req_ids
+                        if (p := self.requests[r].sampling_params) is not None
+                        and p.structured_outputs is not None
+                    )  # fmt: skip
                 with self.drafter.bound_to(step):
                     out = super().propose_draft_token_ids(
                         scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
