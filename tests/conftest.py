@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# vLLM's engine core in the test process: an engine starts in ~5 s instead of ~35 s (no
-# engine-core process importing vLLM anew), and each llm_engine.step() is one step.
+# vLLM's engine core in the test process: no engine-core process imports vLLM anew for
+# each engine (the suite runs in about half the time), and each llm_engine.step() is one step.
 # Workers of tensor-parallel engines and servers still run in their own processes. In
 # one process, engines must live one after another: shutting one down tears down the
 # process's parallel groups, which another live engine still uses.
