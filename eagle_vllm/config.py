@@ -25,7 +25,13 @@ from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "eagle_vllm"
 WORKER_CLS = "eagle_vllm.engine.worker.EagleWorker"
-METHODS = ("eagle", "eagle2")
+SCHEDULER_CLS = "eagle_vllm.engine.scheduler.SaltCarryingScheduler"
+# eagle: EAGLE chain; eagle2: EAGLE-2 dynamic tree; suffix: model-free suffix-tree drafts
+# (no head). eagle and eagle2 take an optional ``suffix:`` section (hybrid trees).
+METHODS = ("eagle", "eagle2", "suffix")
+# vLLM 0.32 runs a model-free drafter named by class path (``method: custom_class``);
+# the plugin's runner drafts the suffix trees itself (engine/suffix_drafts.py).
+SUFFIX_PROPOSER_CLASS = "eagle_vllm.engine.suffix_drafts.SuffixProposer"
 # vLLM 0.32: vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN.
 MAX_DRAFT_SLOTS = 128
 # greedy: argmax / top-k drafts, verified by the target-only rule (exact for any tree).
@@ -43,6 +49,37 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "total_tokens": 16,
         "draft_sample_method": "greedy",
     },
+}
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """The ``suffix:`` section: model-free candidates from suffix trees over each
+    request's prompt and output and over past responses (``eagle_vllm/drafting/suffix.py``).
+
+    ``max_depth`` bounds a suffix branch's depth (separate from ``num_speculative_tokens``:
+    suffix branches cost no draft pass); ``max_nodes`` is the suffix tree's node budget per
+    request and step, root excluded; ``cache_requests`` is how many finished responses the
+    global index keeps (0: off); ``min_prob`` the least path probability of a candidate;
+    ``seed_corpus``/``seed_tokens``: an optional JSONL corpus (token ids or text) the
+    global index starts from, bounded in tokens.
+    """
+
+    max_depth: int = 8
+    max_nodes: int = 8
+    cache_requests: int = 1000
+    min_prob: float = 0.1
+    seed_corpus: str | None = None
+    seed_tokens: int = 1_000_000
+
+
+SUFFIX_KEYS: dict[str, tuple[type, ...]] = {
+    "max_depth": (int,),
+    "max_nodes": (int,),
+    "cache_requests": (int,),
+    "min_prob": (float, int),
+    "seed_corpus": (str, os.PathLike),
+    "seed_tokens": (int,),
 }
 
 
@@ -75,7 +112,19 @@ class EagleSpecConfig:
     # total_tokens: auto: costs and acceptance measured by `eagle-vllm calibrate` (the
     # file's content, so workers on other nodes need no copy of the file)
     sizing_profile: dict[str, Any] | None = field(default=None, compare=False)
+    # the suffix source (hybrid trees for eagle/eagle2; the only source for suffix)
+    suffix: SuffixConfig | None = None
     source: str | None = field(default=None, compare=False)
+
+    @property
+    def uses_head(self) -> bool:
+        """Whether an EAGLE head drafts (every method but ``suffix``)."""
+        return self.method != "suffix"
+
+    @property
+    def uses_trees(self) -> bool:
+        """Whether drafts can branch (verified with tree attention and KV compaction)."""
+        return self.topk > 1 or self.suffix is not None
 
     @property
     def num_draft_slots(self) -> int:
@@ -87,9 +136,18 @@ class EagleSpecConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EagleSpecConfig:
+        data = dict(data)
+        if data.get("suffix") is not None:
+            data["suffix"] = SuffixConfig(**data["suffix"])
         return cls(**data)
 
     def vllm_speculative_config(self) -> dict[str, Any]:
+        if not self.uses_head:
+            return {
+                "method": "custom_class",
+                "model": SUFFIX_PROPOSER_CLASS,
+                "num_speculative_tokens": self.num_draft_slots,
+            }
         return {
             "method": "eagle",
             "model": self.model,
@@ -105,11 +163,22 @@ class EagleSpecConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.LLM`` / ``EngineArgs``."""
-        return {
+        kwargs = {
             "speculative_config": self.vllm_speculative_config(),
             "additional_config": {ADDITIONAL_CONFIG_KEY: self.to_dict()},
             "worker_cls": WORKER_CLS,
         }
+        if self.suffix is not None and self.suffix.cache_requests > 0:
+            # past responses are isolated by cache_salt, which this scheduler hands workers
+            kwargs["scheduler_cls"] = SCHEDULER_CLS
+        return kwargs
+
+
+def eagle_config_of(vllm_config) -> EagleSpecConfig | None:
+    """The plugin config a worker received (``additional_config``), or None."""
+    extra = vllm_config.additional_config or {}
+    data = extra.get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else EagleSpecConfig.from_dict(data)
 
 
 _ALLOWED_KEYS = {
@@ -124,6 +193,8 @@ _ALLOWED_KEYS = {
     "draft_vocab": (str, int),
     # total_tokens: auto: a JSON file written by `eagle-vllm calibrate`
     "sizing_profile": (str, os.PathLike),
+    # model-free suffix-tree candidates (SuffixConfig, SUFFIX_KEYS)
+    "suffix": (dict,),
 }
 
 
@@ -220,9 +291,13 @@ def parse_speculative_config(
         raise _fail(
             "method",
             f"unknown method '{method}'",
-            "use 'eagle' (chain) or 'eagle2' (dynamic tree); vLLM's built-in "
+            "use 'eagle' (chain), 'eagle2' (dynamic tree) or 'suffix' (model-free); "
+            "vLLM's built-in "
             "methods are passed to vLLM directly, not through eagle_vllm",
         )
+    suffix = _parse_suffix_section(data.get("suffix"), base_dir)
+    if method == "suffix":
+        return _parse_model_free(data, suffix, source)
     if data.get("model") is None:
         raise _fail("model", "missing", "set it to the draft checkpoint folder")
     model_path = Path(os.fspath(data["model"])).expanduser()
@@ -269,16 +344,22 @@ def parse_speculative_config(
                 f"method 'eagle' is a chain, topk must be 1 (got {topk})",
                 "drop 'topk', or use method 'eagle2' for a tree",
             )
-        if "total_tokens" in data and data["total_tokens"] != depth + 1:
+        total = depth + 1
+        if suffix is not None:  # the chain plus every suffix candidate: nothing to rerank
+            total += suffix.max_nodes
+        if "total_tokens" in data and data["total_tokens"] != total:
             raise _fail(
                 "total_tokens",
-                "method 'eagle' verifies num_speculative_tokens + 1 tokens",
+                "method 'eagle' verifies num_speculative_tokens + 1 tokens (plus "
+                "suffix.max_nodes with a suffix section)",
                 "drop 'total_tokens', or use method 'eagle2' for a tree",
             )
-        total = depth + 1
     else:
-        # Candidates the expansion can produce: topk at depth 1, topk*topk below.
+        # Candidates the expansion can produce: topk at depth 1, topk*topk below, plus the
+        # suffix candidates of a hybrid tree.
         max_nodes = 1 + topk + (depth - 1) * topk * topk
+        if suffix is not None:
+            max_nodes += suffix.max_nodes
         total = (
             values["total_tokens"]
             if "total_tokens" in data
@@ -295,7 +376,8 @@ def parse_speculative_config(
                 "max_total_tokens" if auto_size else "total_tokens",
                 f"{total} exceeds the {max_nodes} nodes that depth {depth} with "
                 f"topk {topk} can draft",
-                f"use total_tokens <= {max_nodes}, or raise topk/num_speculative_tokens",
+                f"use total_tokens <= {max_nodes}, or raise topk/num_speculative_tokens"
+                + (" or suffix.max_nodes" if suffix is not None else ""),
             )
     if total - 1 > MAX_DRAFT_SLOTS:
         raise _fail(
@@ -336,11 +418,89 @@ def parse_speculative_config(
         draft_sample_method=values["draft_sample_method"],
         auto_size=auto_size,
         sizing_profile=sizing_profile,
+        suffix=suffix,
         source=source,
     )
     if target is not None:
         validate_against_target(cfg, target)
     return cfg
+
+
+def _parse_suffix_section(value: dict[str, Any] | None, base_dir: Path) -> SuffixConfig | None:
+    """The validated ``suffix:`` section (None when absent)."""
+    if value is None:
+        return None
+    unknown = sorted(set(value) - set(SUFFIX_KEYS))
+    if unknown:
+        raise _fail(
+            f"suffix.{unknown[0]}", "unknown key",
+            f"remove it; the suffix section's keys are {sorted(SUFFIX_KEYS)}",
+        )  # fmt: skip
+    for key, types in SUFFIX_KEYS.items():
+        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
+            raise _fail(
+                f"suffix.{key}",
+                f"expected {' or '.join(t.__name__ for t in types)}, "
+                f"got {type(value[key]).__name__} ({value[key]!r})",
+                f"give 'suffix.{key}' a value of that type",
+            )
+    cfg = SuffixConfig(**{k: v for k, v in value.items() if k != "seed_corpus"})
+    for key, least in (("max_depth", 1), ("max_nodes", 1), ("cache_requests", 0),
+                       ("seed_tokens", 1)):  # fmt: skip
+        if getattr(cfg, key) < least:
+            raise _fail(f"suffix.{key}", f"{getattr(cfg, key)} is below {least}",
+                        f"use {least} or more")  # fmt: skip
+    if not 0.0 < cfg.min_prob <= 1.0:
+        raise _fail("suffix.min_prob", f"{cfg.min_prob} is outside (0, 1]",
+                    "use a path probability such as 0.1")  # fmt: skip
+    corpus = value.get("seed_corpus")
+    if corpus is not None:
+        path = Path(os.fspath(corpus)).expanduser()
+        if not path.is_absolute():
+            path = (base_dir / path).resolve()
+        if not path.is_file():
+            raise _fail(
+                "suffix.seed_corpus", f"file '{path}' does not exist",
+                "point it at a JSONL file of token_ids or texts (README: suffix drafting), "
+                "or drop the key",
+            )  # fmt: skip
+        cfg = SuffixConfig(**{**asdict(cfg), "seed_corpus": str(path)})
+    return cfg
+
+
+def _parse_model_free(data: dict[str, Any], suffix: SuffixConfig | None,
+                      source: str | None) -> EagleSpecConfig:  # fmt: skip
+    """``method: suffix``: suffix-tree drafts and no head; the tree size comes from the
+    suffix section."""
+    for key, fix in (
+        ("model", "drop it: method 'suffix' drafts without a head (or use eagle2 with a "
+                  "suffix section for the hybrid)"),
+        ("num_speculative_tokens", "use suffix.max_depth"),
+        ("topk", "drop it: suffix trees branch where past text did"),
+        ("total_tokens", "use suffix.max_nodes (drafts per step)"),
+        ("max_total_tokens", "use suffix.max_nodes (drafts per step)"),
+        ("sizing_profile", "drop it: method 'suffix' has no load-aware sizing"),
+        ("draft_sample_method", "drop it: suffix drafts are deterministic"),
+        ("draft_vocab", "drop it: there is no head"),
+    ):  # fmt: skip
+        if key in data:
+            raise _fail(key, "does not apply to method 'suffix'", fix)
+    suffix = suffix or SuffixConfig()
+    if suffix.max_nodes > MAX_DRAFT_SLOTS:
+        raise _fail(
+            "suffix.max_nodes",
+            f"{suffix.max_nodes} draft tokens per step exceed vLLM's limit of {MAX_DRAFT_SLOTS}",
+            f"use at most {MAX_DRAFT_SLOTS}",
+        )
+    return EagleSpecConfig(
+        method="suffix",
+        model="",
+        num_speculative_tokens=suffix.max_depth,
+        topk=1,
+        total_tokens=suffix.max_nodes + 1,
+        suffix=suffix,
+        source=source,
+    )
 
 
 def _read_sizing_profile(
@@ -411,6 +571,17 @@ def validate_against_target(
     """Check the draft fits the target: hidden size, vocabulary, context length."""
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
 
+    if max_model_len is not None and cfg.num_draft_slots + 1 >= max_model_len:
+        key = {"eagle2": "total_tokens", "suffix": "suffix.max_nodes"}.get(
+            cfg.method, "num_speculative_tokens"
+        )
+        raise _fail(
+            key,
+            f"{cfg.num_draft_slots} drafts per step do not fit max_model_len {max_model_len}",
+            "use fewer draft tokens or a longer max_model_len",
+        )
+    if not cfg.uses_head:
+        return
     info = inspect_draft_checkpoint(cfg.model)
     target_cfg = _load_target_config(target)
     if target_cfg is None:
@@ -430,13 +601,6 @@ def validate_against_target(
             f"draft vocab_size {info.vocab_size} does not match the target's {t_vocab} ({target})",
             "use a draft trained for this target's tokenizer",
         )
-    if max_model_len is not None and cfg.num_draft_slots + 1 >= max_model_len:
-        key = "total_tokens" if cfg.method == "eagle2" else "num_speculative_tokens"
-        raise _fail(
-            key,
-            f"{cfg.num_draft_slots} drafts per step do not fit max_model_len {max_model_len}",
-            "use fewer draft tokens or a longer max_model_len",
-        )
 
 
 def is_eagle_vllm_request(spec: Any) -> bool:
@@ -454,7 +618,8 @@ def is_eagle_vllm_request(spec: Any) -> bool:
         if spec.get("method") == "eagle2":
             return True
         plugin_only = {
-            "topk", "total_tokens", "max_total_tokens", "draft_sample_method", "sizing_profile"
+            "topk", "total_tokens", "max_total_tokens", "draft_sample_method", "sizing_profile",
+            "suffix",
         }  # fmt: skip
         return bool((plugin_only | {"draft_vocab"}) & set(spec))
     return False

@@ -69,6 +69,16 @@ def apply_to_engine_args(engine_args) -> None:
                 f"worker_cls '{engine_args.worker_cls}' conflicts with eagle_vllm, which "
                 f"needs '{kwargs['worker_cls']}'. Fix: leave worker_cls unset."
             )
+        scheduler = kwargs.get("scheduler_cls")
+        if scheduler is not None:
+            if getattr(engine_args, "scheduler_cls", None) not in (None, scheduler):
+                raise EagleConfigError(
+                    f"scheduler_cls '{engine_args.scheduler_cls}' conflicts with the suffix "
+                    f"source's past-response cache, which needs '{scheduler}' (it tells "
+                    "workers each request's cache_salt). Fix: leave scheduler_cls unset, or "
+                    "set suffix.cache_requests: 0."
+                )
+            engine_args.scheduler_cls = scheduler
         engine_args.speculative_config = kwargs["speculative_config"]
         engine_args.additional_config = {**extra, **kwargs["additional_config"]}
         engine_args.worker_cls = kwargs["worker_cls"]

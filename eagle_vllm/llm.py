@@ -7,7 +7,12 @@ from typing import Any
 
 import vllm
 
-from eagle_vllm.config import METHODS, parse_speculative_config, validate_against_target
+from eagle_vllm.config import (
+    METHODS,
+    EagleConfigError,
+    parse_speculative_config,
+    validate_against_target,
+)
 from eagle_vllm.integration import resolve
 
 
@@ -18,7 +23,7 @@ class LLM(vllm.LLM):
         speculative_model: an EAGLE draft folder; alone it means ``method: eagle``.
         speculative_config: a dict or the path of a YAML/JSON file with the
             keys documented in the README (``method``, ``model``, ...). Method
-            ``eagle``/``eagle2`` is the plugin's; other vLLM methods (e.g.
+            ``eagle``/``eagle2``/``suffix`` is the plugin's; other vLLM methods (e.g.
             ``{"method": "ngram", ...}``) pass through to vLLM unchanged.
     Everything else goes to ``vllm.LLM`` unchanged.
     """
@@ -54,6 +59,15 @@ class LLM(vllm.LLM):
             kwargs["additional_config"] = {**extra, **resolved["additional_config"]}
             kwargs["speculative_config"] = resolved["speculative_config"]
             kwargs["worker_cls"] = resolved["worker_cls"]
+            if "scheduler_cls" in resolved:
+                if kwargs.get("scheduler_cls") not in (None, resolved["scheduler_cls"]):
+                    raise EagleConfigError(
+                        f"scheduler_cls '{kwargs['scheduler_cls']}' conflicts with the suffix "
+                        f"source's past-response cache, which needs "
+                        f"'{resolved['scheduler_cls']}'. Fix: leave scheduler_cls unset, or "
+                        "set suffix.cache_requests: 0."
+                    )
+                kwargs["scheduler_cls"] = resolved["scheduler_cls"]
         elif speculative_config is not None:
             kwargs["speculative_config"] = speculative_config
         super().__init__(model, *args, **kwargs)

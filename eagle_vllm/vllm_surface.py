@@ -65,6 +65,45 @@ def slots_of(block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Ten
     return block_table[rows, positions // size].long() * size + positions % size
 
 
+# -- the requests (vllm/v1/worker/gpu_input_batch.py CachedRequestState) ------------
+def request_text(req_state) -> tuple[list[int], list[int], str | None]:
+    """A request's prompt ids, its output ids so far (vLLM's list, not a copy) and its
+    LoRA adapter's name (None without one)."""
+    lora = req_state.lora_request
+    return (
+        req_state.prompt_token_ids or [],
+        req_state.output_token_ids,
+        (None if lora is None else lora.lora_name),
+    )
+
+
+def stop_rule(req_state) -> tuple[set[int], int | None, int]:
+    """(stop token ids, max_tokens, min_tokens) of a request: where its output ends. The
+    worker's output ids run past a stop token accepted mid-step (vLLM's scheduler cuts
+    them, the worker never learns)."""
+    params = req_state.sampling_params
+    if params is None:
+        return set(), None, 0
+    return set(params.all_stop_token_ids), params.max_tokens, params.min_tokens
+
+
+def cache_salt_of(new_request_data) -> str | None:
+    """The ``cache_salt`` a new request was submitted with: vLLM 0.32's ``NewRequestData``
+    does not carry it to workers; ``engine/scheduler.py`` attaches it."""
+    return getattr(new_request_data, "cache_salt", None)
+
+
+def step_new_tokens(runner, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+    """Per batch row, the tokens this step appended to the request (accepted drafts and
+    the bonus token) before vLLM's bookkeeping has added them to its output ids: the
+    sampled rows without rejected placeholders (-1); none for a request still in its
+    prompt (a partial prefill chunk's sample is discarded)."""
+    n = runner.input_batch.num_reqs
+    rows = sampled_token_ids[:n].to("cpu").tolist()
+    discarded = runner.discard_request_mask.np[:n].tolist()
+    return [[] if skip else [t for t in row if t >= 0] for row, skip in zip(rows, discarded)]
+
+
 # -- the runner's step buffers (vllm/v1/worker/gpu_model_runner.py) ----------------
 def query_starts(runner) -> torch.Tensor:
     """[num_reqs + 1] first flat token row of each request this step (CPU copy)."""

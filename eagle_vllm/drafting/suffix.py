@@ -970,13 +970,20 @@ class RequestSuffixes:
         """A copy of the request's indexed text (prompt + output)."""
         return self._reqs[req_id].index.sequence(0)
 
-    def finish(self, req_id: Hashable) -> None:
-        """Drop the request; its response (the tokens after the prompt) is cached globally
-        under its key."""
+    def finish(self, req_id: Hashable, response_len: int | None = None) -> None:
+        """Drop the request; its response (the tokens after the prompt, the first
+        ``response_len`` of them if given) is cached globally under its key."""
         req = self._reqs.pop(req_id)
         if self.global_cache is not None:
             response = req.index.sequence(0)[req.prompt_len :]
+            if response_len is not None:
+                response = response[: max(0, response_len)]
             self.global_cache.add(req.key, response)
+
+    def response(self, req_id: Hashable) -> list[int]:
+        """A copy of the request's indexed output (the tokens after its prompt)."""
+        req = self._reqs[req_id]
+        return req.index.sequence(0)[req.prompt_len :]
 
     def remove(self, req_id: Hashable) -> None:
         """Drop the request without caching anything (aborted, or not to be shared)."""

@@ -17,7 +17,9 @@ One code path serves both methods; a chain is a tree with ``topk = 1``. ``propos
    write into the paged cache and cannot overwrite prefix KV.
 3. **Rerank** to the step's planned number of nodes; the flat node tokens (parents
    first) go to vLLM's scheduler as the request's draft tokens, and the trees to the
-   ``StepState`` (``drafted``), which the next step verifies.
+   ``StepState`` (``drafted``), which the next step verifies. With a ``suffix:``
+   section the rerank runs over the EAGLE nodes and the step's suffix candidates
+   together (``tree/merge.py``, ``engine/suffix_drafts.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from eagle_vllm.attention.platform import TreePlatform
 from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
 from eagle_vllm.engine.step import DraftedTrees, StepBound, StepState
+from eagle_vllm.engine.suffix_drafts import merge_drafts
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
@@ -159,12 +162,21 @@ class EagleTreeProposer(StepBound, EagleProposer):
             passes=passes,
             temperatures=temperatures,
         )
-        step.drafted = DraftedTrees(req_ids=req_ids, tree=tree)
         step.drafted_size = (passes, nodes)
+        suffix = step.suffix_candidates
+        if suffix is not None and temperatures is not None:  # sampled chains stay draws from q
+            suffix = [None if t > 0 else c for t, c in zip(temperatures.tolist(), suffix)]
+        if suffix is not None and any(c is not None and c.num_nodes > 1 for c in suffix):
+            drafts = merge_drafts(step, tree, suffix, nodes, step.source_calibration)
+        else:
+            step.drafted = DraftedTrees(req_ids=req_ids, tree=tree)
+            drafts = None
         if temperatures is not None:
             step.drafted.sampled = temperatures > 0
             step.drafted.draft_q = draft_q
             step.drafted.q_token_ids = q_token_ids
+        if drafts is not None:
+            return drafts  # one list per request: merged trees differ in size
         num_drafts = nodes - 1
         drafts = tree.tokens[:, 1 : num_drafts + 1]
         if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)

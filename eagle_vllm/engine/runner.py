@@ -38,22 +38,17 @@ import torch
 from eagle_vllm import vllm_surface as vs
 from eagle_vllm.attention.platform import for_current_platform
 from eagle_vllm.attention.tree_batch import TreeBatch
-from eagle_vllm.config import ADDITIONAL_CONFIG_KEY, EagleSpecConfig
+from eagle_vllm.config import eagle_config_of
 from eagle_vllm.engine import telemetry
 from eagle_vllm.engine.deferred import DeferredDrafts
 from eagle_vllm.engine.proposer import EagleTreeProposer
 from eagle_vllm.engine.sampler import ExactRejectionSampler, position_keyed_generators
 from eagle_vllm.engine.step import DraftedTrees, StepRecord, StepState
+from eagle_vllm.engine.suffix_drafts import SuffixDrafts
 from eagle_vllm.engine.timing import StepTimings
 from eagle_vllm.sizing import TreeSizer
 
 CPUModelRunner, _cpu_device_context = vs.cpu_runner_base()
-
-
-def eagle_config_of(vllm_config) -> EagleSpecConfig | None:
-    extra = vllm_config.additional_config or {}
-    data = extra.get(ADDITIONAL_CONFIG_KEY)
-    return None if data is None else EagleSpecConfig.from_dict(data)
 
 
 def needs_chain_verification(params) -> bool:
@@ -87,24 +82,34 @@ class EagleCPUModelRunner(CPUModelRunner):
             return
         cfg = self.eagle_config
         self.platform = for_current_platform()
+        self.suffix: SuffixDrafts | None = None
         if cfg.auto_size:
-            self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens)
+            extra_nodes, extra_depth = (
+                (0, 0) if cfg.suffix is None else (cfg.suffix.max_nodes, cfg.suffix.max_depth)
+            )
+            self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens,
+                                   extra_nodes=extra_nodes, extra_depth=extra_depth)  # fmt: skip
             self.sizer.pinned = _pinned_size(self.sizer)
             if cfg.sizing_profile:  # measured by `eagle-vllm calibrate` (checked at parse)
                 self.sizer.load_profile(cfg.sizing_profile)
         if self._uses_trees:
             self.platform.prepare()
-        with _cpu_device_context():
-            self.drafter = EagleTreeProposer(
-                self.vllm_config, self.device, self, cfg, self.platform
-            )
+        if cfg.uses_head:
+            with _cpu_device_context():
+                self.drafter = EagleTreeProposer(
+                    self.vllm_config, self.device, self, cfg, self.platform
+                )
+            if cfg.suffix is not None:
+                self.suffix = SuffixDrafts(cfg.suffix, self.model_config.tokenizer)
+        else:  # method suffix: vLLM built the model-free drafter (method custom_class)
+            self.suffix = self.drafter.suffix
         self.rejection_sampler = ExactRejectionSampler(
             self.sampler, self.speculative_config, self.device
         )
 
     @property
     def _uses_trees(self) -> bool:
-        return self.eagle_config is not None and self.eagle_config.topk > 1
+        return self.eagle_config is not None and self.eagle_config.uses_trees
 
     # -- 1. a new step -------------------------------------------------------
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -119,6 +124,8 @@ class EagleCPUModelRunner(CPUModelRunner):
         )
         if self.deferred:
             self._catch_up_leaving(scheduler_output)
+        if self.suffix is not None:
+            self.suffix.note_scheduled(scheduler_output)
         with self.timings.phase("execute_model") as clock:
             out = super().execute_model(scheduler_output, *args, **kwargs)
         self.step.record.execute_seconds = clock.seconds
@@ -229,6 +236,9 @@ class EagleCPUModelRunner(CPUModelRunner):
                 self.sizer.age_acceptance(self._sampled_share())
             else:
                 self._observe_acceptance(spec_decode_metadata)
+        if self.suffix is not None and verifying is not None and step.verifying is not None:
+            self.suffix.observe(step.verifying, step.req_ids, step.accepted_nodes,
+                                self._verified_as_chains(step.req_ids))  # fmt: skip
         if step.tree_batch is not None and spec_decode_metadata is not None:
             with self.timings.phase("kv_compaction"):
                 self._compact_kv(step.tree_batch, step.accepted_nodes)
@@ -242,16 +252,17 @@ class EagleCPUModelRunner(CPUModelRunner):
         step = self.step
         sampled_ids = vs.sampled_req_ids(self.input_batch)
         sampled = torch.tensor([r in sampled_ids for r in step.req_ids], dtype=torch.bool)
-        as_chains = set()
-        if self._uses_trees:
-            as_chains = {
-                r for r in step.req_ids
-                if needs_chain_verification(self.requests[r].sampling_params)
-            }  # fmt: skip
+        as_chains = self._verified_as_chains(step.req_ids)
         step.record.verified_nodes = telemetry.observe_acceptance(
             self.sizer, metadata.num_draft_tokens, step.req_ids, sampled, step.verifying,
             as_chains, step.accepted_nodes,
         )  # fmt: skip
+
+    def _verified_as_chains(self, req_ids: list[str]) -> set[str]:
+        """Requests whose tree drafts were verified as a chain (needs_chain_verification)."""
+        if not self._uses_trees:
+            return set()
+        return {r for r in req_ids if needs_chain_verification(self.requests[r].sampling_params)}
 
     @contextlib.contextmanager
     def _position_keyed_plain_sampling(self, spec_decode_metadata):
@@ -293,6 +304,9 @@ class EagleCPUModelRunner(CPUModelRunner):
             )  # fmt: skip
         step = self.step
         caught_up_before = step.record.catch_up_seconds
+        if self.suffix is not None:  # every step's tokens, drafting or not
+            with self.timings.phase("suffix_index"):
+                self._sync_suffix(sampled_token_ids)
         with self.timings.phase("draft") as clock:
             step.planned_size = self._plan_size()
             if (
@@ -304,7 +318,7 @@ class EagleCPUModelRunner(CPUModelRunner):
             else:
                 if self.deferred:  # the first pass reads the deferred positions
                     self._catch_up(self._first_scheduled_positions())
-                if step.tree_batch is not None:
+                if step.tree_batch is not None and self.eagle_config.uses_head:
                     hidden_states = self._accepted_path_as_chain(step, hidden_states)
                 if self.eagle_config.draft_sample_method == "sample":  # only they read it
                     step.structured_req_ids = frozenset(
@@ -312,6 +326,9 @@ class EagleCPUModelRunner(CPUModelRunner):
                         if (p := self.requests[r].sampling_params) is not None
                         and p.structured_outputs is not None
                     )  # fmt: skip
+                if self.suffix is not None and step.planned_size[0] > 0:
+                    step.suffix_candidates = self.suffix.propose(step.req_ids)
+                    step.source_calibration = self.suffix.calibration.factors()
                 with self.drafter.bound_to(step):
                     out = super().propose_draft_token_ids(
                         scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -324,6 +341,17 @@ class EagleCPUModelRunner(CPUModelRunner):
         caught_up = step.record.catch_up_seconds - caught_up_before
         step.record.draft_seconds = clock.seconds - caught_up
         return out
+
+    def _sync_suffix(self, sampled_token_ids) -> None:
+        """Append this step's tokens to the requests' suffix indexes. A list holds each
+        request's valid tokens after vLLM's bookkeeping (``method: suffix``, drafted like
+        n-grams); a tensor, the sampled rows before it (EAGLE drafters run first)."""
+        req_ids = vs.batch_req_ids(self.input_batch)
+        if isinstance(sampled_token_ids, list):
+            self.suffix.sync(req_ids, self.requests, sampled_token_ids, output_has_new=True)
+        else:
+            new = vs.step_new_tokens(self, sampled_token_ids)
+            self.suffix.sync(req_ids, self.requests, new, output_has_new=False)
 
     def _plan_size(self) -> tuple[int, int]:
         """(draft passes, tree nodes) for the next step: the sizer's choice (rank 0's,

@@ -29,6 +29,12 @@ class DraftedTrees:
     sampled: torch.Tensor | None = None
     draft_q: torch.Tensor | None = None
     q_token_ids: torch.Tensor | None = None
+    # merged trees (a suffix section, tree/merge.py): per node its source (EAGLE, SUFFIX,
+    # BOTH; 0 root/padding), raw value (the source's own estimate) and the draft passes
+    # its path needs (suffix nodes need none)
+    sources: torch.Tensor | None = None
+    raw_values: torch.Tensor | None = None
+    pass_depths: torch.Tensor | None = None
 
     def row_of(self) -> dict[str, int]:
         return {req_id: i for i, req_id in enumerate(self.req_ids)}
@@ -70,6 +76,10 @@ class StepState:
     req_ids: list[str] = field(default_factory=list)
     # requests with a grammar (their drafts are argmax drafts)
     structured_req_ids: frozenset[str] = frozenset()
+    # suffix candidates for the next step's trees, per batch row (None: none), and the
+    # calibration the merge ranks them with ([4, D + 1] factors per source and depth)
+    suffix_candidates: list | None = None
+    source_calibration: torch.Tensor | None = None
     # the trees drafted in this step, for the next, and their (passes, nodes)
     drafted: DraftedTrees | None = None
     drafted_size: tuple[int, int] = (0, 1)

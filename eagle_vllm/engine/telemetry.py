@@ -83,8 +83,11 @@ def observe_acceptance(
         rows.append(row)
         src.append(i)
     if rows:  # one copy for the batch, not one per request
-        n = min(width, verified.tree.depths.shape[1])
-        depths[rows, :n] = verified.tree.depths[src, :n].to("cpu", depths.dtype)
+        # merged trees: a node's "depth" here is the draft passes its path needs (trees
+        # are cut by passes; suffix nodes need none)
+        node_depths = verified.tree.depths if verified.pass_depths is None else verified.pass_depths
+        n = min(width, node_depths.shape[1])
+        depths[rows, :n] = node_depths[src, :n].to("cpu", depths.dtype)
     accepted = torch.zeros(batch, width + 1, dtype=torch.bool)
     if accepted_nodes is not None and accepted_nodes.numel():
         index = torch.arange(batch)[:, None].expand_as(accepted_nodes)

@@ -7,7 +7,8 @@ the duration of the call (``vllm_surface.cpu_worker_builds``).
 
 RPCs, reachable with ``LLM.collective_rpc(name)``: ``eagle_vllm_timings`` (the runner's
 phases), ``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``),
-``eagle_vllm_sizing_profile`` (the same measurements as a calibration profile) and
+``eagle_vllm_sizing_profile`` (the same measurements as a calibration profile),
+``eagle_vllm_suffix`` (the suffix source's counts and recorded candidates) and
 ``eagle_vllm_rng_digest`` (the random state speculation draws from, per rank).
 """
 
@@ -54,6 +55,21 @@ class EagleWorker(vllm_surface.cpu_worker_base()):
         if sizer is None:
             return {}
         return {**sizer.table(), "history": [list(h) for h in sizer.history]}
+
+    def eagle_vllm_suffix(self, record: bool | None = None) -> dict:
+        """The suffix source's totals ({} without a suffix section): accepted drafts per
+        source, host time per step, cache size. ``record=True`` starts keeping every
+        step's suffix candidates per request (returned under ``"drafted"``); ``False``
+        stops and clears it."""
+        suffix = getattr(self.model_runner, "suffix", None)
+        if suffix is None:
+            return {}
+        if record is not None:
+            suffix.record = {} if record else None
+        out = suffix.stats()
+        if suffix.record is not None:
+            out["drafted"] = {k: [list(d) for d in v] for k, v in suffix.record.items()}
+        return out
 
     def eagle_vllm_sizing_profile(self) -> dict:
         """The sizer's measurements as a profile (``eagle-vllm calibrate``; {} unless auto)."""

@@ -36,6 +36,9 @@ class AcceptanceStats:
     max_passes: int
     max_nodes: int
     decay: float = 0.995
+    # deepest node another source (suffix candidates, no draft pass) adds to a tree: a
+    # tree of d passes then accepts up to max(d, extra_depth) drafts
+    extra_depth: int = 0
     # prior: one pseudo-observation, never decayed, so a node unseen (or not seen for
     # long) drifts back to worth trying: at this rate for the first draft, at the
     # better-ranked node's rate for the others (rates())
@@ -137,7 +140,7 @@ class AcceptanceStats:
                 row, total = [1.0, 1.0], 1.0
                 for rate in rates[1:]:
                     total += rate
-                    row.append(min(total, 1.0 + cut))
+                    row.append(min(total, 1.0 + max(cut, self.extra_depth)))
                 self._expected.append(row)
         return self._expected[d][min(m, self.max_nodes)]
 
@@ -146,8 +149,10 @@ class AcceptanceByClass:
     """Greedy and sampled requests' ``AcceptanceStats``; a batch's expected tokens weigh
     the two classes by their share of it."""
 
-    def __init__(self, max_passes: int, max_nodes: int):
-        self.of = {cls: AcceptanceStats(max_passes, max_nodes) for cls in CLASSES}
+    def __init__(self, max_passes: int, max_nodes: int, extra_depth: int = 0):
+        self.of = {
+            cls: AcceptanceStats(max_passes, max_nodes, extra_depth=extra_depth) for cls in CLASSES
+        }
 
     def _stats(self, cls: str) -> AcceptanceStats:
         """A class never observed reads as the other's rates, weakly (``SEED_TRIALS``),
@@ -155,7 +160,8 @@ class AcceptanceByClass:
         stats, other = self.of[cls], self.of[other_class(cls)]
         if stats.observed or not other.observed:
             return stats
-        seeded = AcceptanceStats(stats.max_passes, stats.max_nodes, stats.decay, stats.prior_rate)
+        seeded = AcceptanceStats(stats.max_passes, stats.max_nodes, stats.decay,
+                                 stats.extra_depth, stats.prior_rate)  # fmt: skip
         seeded.seed_from(other)
         return seeded
 
@@ -195,3 +201,53 @@ class AcceptanceByClass:
         stats, other = self.of[cls], self.of[other_class(cls)]
         if not stats.observed and other.observed:
             stats.seed_from(other)
+
+
+class SourceCalibration:
+    """Acceptance per draft source and depth, against what the source predicted.
+
+    Every verified node of a merged tree (``tree/merge.py``) has a source class (EAGLE,
+    suffix, or both), a depth and a raw value: its source's own estimate of the chance it
+    is accepted (EAGLE: product of draft confidences; suffix: path probability; both: the
+    larger). ``factors()[source, depth]`` is accepted nodes over summed raw values, with
+    decay, so ``factor * raw`` estimates the acceptance of a node like it: the merge
+    ranks both sources on that one scale. One pseudo-observation predicting and
+    accepting ``prior`` keeps classes never seen at factor 1 (their raw values rank them)
+    and pulls thinly measured ones toward it.
+    """
+
+    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0) -> None:
+        self.max_depth = int(max_depth)
+        self.decay = decay
+        self.prior = prior
+        self.predicted = torch.zeros(4, self.max_depth + 1, dtype=torch.float64)
+        self.accepted = torch.zeros(4, self.max_depth + 1, dtype=torch.float64)
+        self._factors: torch.Tensor | None = None
+
+    def observe(
+        self, sources: torch.Tensor, depths: torch.Tensor, raw: torch.Tensor,
+        accepted: torch.Tensor, valid: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """One verified step: ``[R, W]`` per node (root and padding are skipped by
+        source ``0``/``valid``)."""
+        drafted = valid & (sources > 0)
+        if not bool(drafted.any()):
+            return
+        self.predicted *= self.decay
+        self.accepted *= self.decay
+        index = sources[drafted] * (self.max_depth + 1) + depths[drafted].clamp(max=self.max_depth)
+        self.predicted.view(-1).index_add_(0, index, raw[drafted].to(torch.float64))
+        self.accepted.view(-1).index_add_(0, index, accepted[drafted].to(torch.float64))
+        self._factors = None
+
+    def factors(self) -> torch.Tensor:
+        """``[4, max_depth + 1]`` acceptance over prediction per source and depth."""
+        if self._factors is None:
+            self._factors = (self.accepted + self.prior) / (self.predicted + self.prior)
+        return self._factors
+
+    def accepted_share(self) -> dict[int, float]:
+        """Each source class's share of the accepted drafts (decayed counts)."""
+        per = self.accepted.sum(dim=1)
+        total = float(per[1:].sum())
+        return {s: (float(per[s]) / total if total else 0.0) for s in (1, 2, 3)}

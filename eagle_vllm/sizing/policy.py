@@ -59,12 +59,12 @@ PROFILE_COST_KEYS = ("verify_seconds", "draft_seconds", "verify_seconds_sampled"
 Arm = tuple[int, int]
 
 
-def candidate_sizes(max_passes: int, topk: int, max_nodes: int) -> list[Arm]:
+def candidate_sizes(max_passes: int, topk: int, max_nodes: int, extra_nodes: int = 0) -> list[Arm]:
     """The (draft passes, tree nodes) arms: off, then every number of passes with a few
-    tree sizes."""
+    tree sizes. ``extra_nodes``: candidates another source adds to every tree (suffix)."""
     arms = [OFF]
     for d in range(1, max_passes + 1):
-        reachable = 1 + topk + (d - 1) * topk * topk  # nodes d passes can draft
+        reachable = 1 + topk + (d - 1) * topk * topk + extra_nodes  # nodes d passes can draft
         top = min(max_nodes, reachable)
         low = 2 if d == 1 else min(top, d + 1)  # a tree of d passes needs d + 1 nodes
         sizes = {top, low}
@@ -123,9 +123,14 @@ class TreeSizer:
         window: int = 9,
         speculation_margin: float = 0.05,
         explore_budget: float = 0.05,
+        extra_nodes: int = 0,
+        extra_depth: int = 0,
     ):
+        # extra_nodes / extra_depth: a suffix source's candidates per tree and their depth
+        # bound; they cost no draft pass, so a tree of d passes may hold more nodes and
+        # accept more than d drafts
         self.max_passes, self.topk, self.max_nodes = max_passes, topk, max_nodes
-        self.arms = candidate_sizes(max_passes, topk, max_nodes)
+        self.arms = candidate_sizes(max_passes, topk, max_nodes, extra_nodes)
         self.speculation_margin = speculation_margin
         self.explore_every = explore_every
         self.max_explore_every = 8 * explore_every
@@ -134,7 +139,7 @@ class TreeSizer:
         self.costs = CostModel(
             sorted({m for _, m in self.arms}), sorted({d for d, _ in self.arms}), window
         )
-        self._acceptance = AcceptanceByClass(max_passes, max_nodes)
+        self._acceptance = AcceptanceByClass(max_passes, max_nodes, extra_depth)
         # the policy's own state, changed by ``commit`` only
         self.steps = 0
         self._explore_interval = explore_every

@@ -94,12 +94,21 @@ CASES = [
     pytest.param(
         "eagle-greedy", "good", 1.0, 1.0, id="eagle-greedy-good-T1", marks=pytest.mark.slow
     ),
+    # suffix candidates from the prompt and from the cache of past responses (20k requests
+    # of the same prompt: a cache that always predicts the likeliest continuations),
+    # merged into the tree, and alone
+    pytest.param("eagle2+suffix", "good", 1.0, 1.0, id="eagle2-suffix-good-T1"),
+    pytest.param("suffix", None, 0.7, 0.9, id="suffix-T0.7-top_p0.9"),
 ]
 
 
-def _spec(small, method: str, draft: str) -> dict:
+def _spec(small, method: str, draft: str | None) -> dict:
+    if method == "suffix":
+        return {"method": "suffix", "suffix": {"max_nodes": 6}}
     spec = {"method": method, "model": str(small[draft]), "num_speculative_tokens": 3}
-    if method == "eagle2":
+    if method == "eagle2+suffix":
+        spec.update(method="eagle2", suffix={"max_nodes": 6})
+    if spec["method"] == "eagle2":
         spec.update(topk=3, total_tokens=8)
     if method == "eagle-greedy":
         spec.update(method="eagle", draft_sample_method="greedy")
@@ -111,7 +120,10 @@ def _spec(small, method: str, draft: str) -> dict:
 @pytest.mark.parametrize("method,draft,temperature,top_p", CASES)
 def test_sampled_distribution_matches_vanilla(small, vanilla, method, draft, temperature, top_p):
     spec = _spec(small, method, draft)
-    _check(_spec_samples(small["target"], spec, temperature, top_p), vanilla, temperature)
+    tau: list[float] = []
+    _check(_spec_samples(small["target"], spec, temperature, top_p, tau=tau), vanilla, temperature)
+    if "suffix" in method:  # suffix drafts were accepted: the verifier decided positions
+        assert tau[0] > 1.05, tau
 
 
 def test_sampled_drafts_are_accepted_more_often_at_t1(small):

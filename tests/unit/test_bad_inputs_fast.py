@@ -309,6 +309,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "draft_vocab": "0",
         "auto_size": "False",
         "sizing_profile": "None",
+        "suffix": "None",
         "source": str(models["good"]),
     }
     assert run["wall_s"] < MAX_WALL_S

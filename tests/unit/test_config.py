@@ -768,3 +768,96 @@ def test_shipped_auto_config_parses():
     root = Path(__file__).resolve().parents[2]
     cfg = parse_speculative_config(root / "configs" / "eagle2-auto.yaml")
     assert cfg.auto_size and cfg.method == "eagle2" and cfg.total_tokens >= 8
+
+
+# --------------------------------------------------------------------------
+# the suffix section and method suffix
+# --------------------------------------------------------------------------
+def test_suffix_section_in_every_head_method(models, tmp_path):
+    d = str(models["draft"])
+    chain = parse_speculative_config(
+        {"method": "eagle", "model": d, "num_speculative_tokens": 3, "suffix": {"max_nodes": 5}}
+    )
+    assert chain.suffix.max_nodes == 5 and chain.total_tokens == 3 + 1 + 5
+    assert chain.uses_trees  # suffix branches make the chain a tree
+    tree = parse_speculative_config(
+        {"method": "eagle2", "model": d, "num_speculative_tokens": 2, "topk": 2,
+         "total_tokens": 12, "suffix": {"max_depth": 6, "min_prob": 0.2}}
+    )  # fmt: skip
+    assert (tree.suffix.max_depth, tree.suffix.min_prob, tree.total_tokens) == (6, 0.2, 12)
+    auto = parse_speculative_config(
+        {"method": "eagle2", "model": d, "total_tokens": "auto", "max_total_tokens": 16,
+         "suffix": {"cache_requests": 0}}
+    )  # fmt: skip
+    assert auto.auto_size and auto.suffix.cache_requests == 0
+    # the round trip workers see
+    assert EagleSpecConfig.from_dict(tree.to_dict()) == tree
+    # past responses need the salt-carrying scheduler; without a cache nothing changes
+    assert "scheduler_cls" in tree.engine_kwargs()
+    assert "scheduler_cls" not in auto.engine_kwargs()
+
+
+def test_suffix_nodes_raise_the_tree_bound(models):
+    d = str(models["draft"])
+    base = {"method": "eagle2", "model": d, "num_speculative_tokens": 1, "topk": 2}
+    parse_err({**base, "total_tokens": 5}, "total_tokens")  # 1 + 2 nodes at most
+    cfg = parse_speculative_config({**base, "total_tokens": 5, "suffix": {"max_nodes": 2}})
+    assert cfg.total_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "section,key",
+    [
+        ({"max_nodes": 0}, "suffix.max_nodes"),
+        ({"max_depth": 0}, "suffix.max_depth"),
+        ({"cache_requests": -1}, "suffix.cache_requests"),
+        ({"min_prob": 0.0}, "suffix.min_prob"),
+        ({"min_prob": 1.5}, "suffix.min_prob"),
+        ({"min_prob": "high"}, "suffix.min_prob"),
+        ({"max_nodes": True}, "suffix.max_nodes"),
+        ({"depth": 4}, "suffix.depth"),
+        ({"seed_corpus": "missing.jsonl"}, "suffix.seed_corpus"),
+        ({"seed_tokens": 0}, "suffix.seed_tokens"),
+    ],
+)
+def test_bad_suffix_sections(models, section, key):
+    parse_err({"method": "suffix", "suffix": section}, key)
+    d = str(models["draft"])
+    parse_err({"method": "eagle2", "model": d, "suffix": section}, key)
+
+
+def test_suffix_section_must_be_a_mapping():
+    parse_err({"method": "suffix", "suffix": [1, 2]}, "suffix")
+
+
+def test_method_suffix_needs_no_head():
+    cfg = parse_speculative_config({"method": "suffix"})
+    assert not cfg.uses_head and cfg.uses_trees
+    assert cfg.total_tokens == cfg.suffix.max_nodes + 1
+    spec = cfg.vllm_speculative_config()
+    assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("model", "x"), ("num_speculative_tokens", 3), ("topk", 2), ("total_tokens", 8),
+     ("draft_sample_method", "greedy"), ("draft_vocab", "full")],
+)  # fmt: skip
+def test_method_suffix_refuses_head_keys(key, value):
+    msg = parse_err({"method": "suffix", key: value}, key)
+    assert "method 'suffix'" in msg
+
+
+def test_suffix_seed_corpus_resolves_against_the_config_file(tmp_path):
+    (tmp_path / "corpus.jsonl").write_text('{"token_ids": [1, 2, 3]}\n')
+    path = tmp_path / "suffix.yaml"
+    path.write_text("method: suffix\nsuffix:\n  seed_corpus: corpus.jsonl\n  seed_tokens: 100\n")
+    cfg = parse_speculative_config(path)
+    assert cfg.suffix.seed_corpus == str((tmp_path / "corpus.jsonl").resolve())
+
+
+def test_a_plain_suffix_dict_stays_vllms_unless_it_has_a_section():
+    from eagle_vllm.config import is_eagle_vllm_request
+
+    assert not is_eagle_vllm_request({"method": "suffix", "num_speculative_tokens": 4})
+    assert is_eagle_vllm_request({"method": "suffix", "suffix": {}})
