@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     DEFAULT_AUTO_CONFIG,
     DEFAULT_EAGLE2_CONFIG,
+    DEFAULT_EAGLE2_SUFFIX_CONFIG,
     DEFAULT_EAGLE_CONFIG,
     DEFAULT_HEAD,
+    DEFAULT_SUFFIX_CONFIG,
     DEFAULT_TARGET,
     PLUGIN_SYSTEMS,
     ROOT,
@@ -47,12 +49,19 @@ from common import (  # noqa: E402
     sizer_bucket,
     sizing_table,
     spec_counters,
+    suffix_delta,
+    suffix_stats,
     tau,
     write_results,
 )
 
-TABLE_SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto")
+TABLE_SYSTEMS = (
+    "vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto", "suffix", "eagle2-suffix",
+)  # fmt: skip
+# also accepted: vLLM's suffix decoding, where arctic-inference is installed
+TABLE_OPTIONAL = ("vllm-suffix",)
 CURVE_SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
+CURVE_OPTIONAL = ("suffix", "eagle2-suffix")
 
 TABLE_HELP = "every system side by side: tok/s, speedup, tau, time split (table, plot)"
 TABLE_DOC = """Side-by-side speed of speculative decoding systems under vLLM, in one command.
@@ -68,6 +77,17 @@ Systems (each in its own engine process, one after the other, same settings):
 * ``eagle2``      eagle-vllm tree    (``--eagle2-config``, default configs/eagle2.yaml)
 * ``eagle2-auto`` eagle-vllm tree with load-aware sizing (``--auto-config``,
   default configs/eagle2-auto.yaml)
+* ``suffix``      eagle-vllm model-free suffix trees (``--suffix-config``, default
+  configs/suffix.yaml)
+* ``eagle2-suffix`` eagle-vllm tree merged with suffix candidates
+  (``--eagle2-suffix-config``, default configs/eagle2-suffix.yaml)
+* ``vllm-suffix`` vLLM's built-in suffix decoding (needs arctic-inference; not in the
+  default list)
+
+Systems that learn from past requests (a suffix source's cache of responses) start
+every condition with that cache emptied, so no prompt is ever seen twice; a request
+may draft from the responses of earlier requests of the same condition, as when
+serving. A seed corpus, if the config has one, stays.
 
 Conditions: MT-bench first turns (chat template) and HumanEval (raw completion),
 batch sizes, temperatures. A batch of size b is b requests submitted together;
@@ -148,6 +168,7 @@ def run_table_worker(system: str, args) -> list[dict]:
                     before = spec_counters(llm)
                     if ours:
                         reset_timings(llm)
+                        suffix_before = suffix_stats(llm, clear_cache=True)
                     tokens, start = 0, time.perf_counter()
                     for i in range(0, len(prompts), batch):
                         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
@@ -167,6 +188,7 @@ def run_table_worker(system: str, args) -> list[dict]:
                     )
                     if ours:
                         row["timings"] = read_timings(llm)
+                        row["suffix"] = suffix_delta(suffix_stats(llm), suffix_before)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "timings"}), flush=True)
     shutdown(llm)
@@ -248,7 +270,32 @@ def summarise_table(rows: list[dict], systems: list[str]) -> tuple[str, list[dic
             split.append(
                 f"| {cond[0]} | {cond[1]:g} | {cond[2]} | {system} | {cells} | {lines_ms:.1f} |"
             )
-    return "\n".join(lines + split) + "\n", table
+    sources = [
+        "",
+        "Suffix source (systems with one): share of accepted drafts by source, and the "
+        "suffix index's host time per drafting step:",
+        "",
+        "| dataset | T | batch | system | eagle | suffix | both | suffix ms per step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cond in conditions:
+        for system in systems:
+            mine = [r for r in rows if r["system"] == system and key(r) == cond and r.get("suffix")]
+            if not mine:
+                continue
+            acc = Counter()
+            for r in mine:
+                acc.update(r["suffix"]["accepted"])
+            total = sum(acc.values()) or 1
+            steps = sum(r["suffix"]["host_steps"] for r in mine)
+            ms = 1000 * sum(r["suffix"]["host_seconds"] for r in mine) / max(steps, 1)
+            shares = " | ".join(f"{acc[k] / total:.2f}" for k in ("eagle", "suffix", "both"))
+            sources.append(
+                f"| {cond[0]} | {cond[1]:g} | {cond[2]} | {system} | {shares} | {ms:.2f} |"
+            )
+    if len(sources) == 6:
+        sources = []
+    return "\n".join(lines + split + sources) + "\n", table
 
 
 def plot_table(table: list[dict], path: Path) -> None:
@@ -287,6 +334,8 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
     p.add_argument("--eagle2-config", default=DEFAULT_EAGLE2_CONFIG)
     p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--suffix-config", default=DEFAULT_SUFFIX_CONFIG)
+    p.add_argument("--eagle2-suffix-config", default=DEFAULT_EAGLE2_SUFFIX_CONFIG)
     p.add_argument("--systems", default=",".join(TABLE_SYSTEMS))
     p.add_argument("--datasets", default="mtbench,humaneval")
     p.add_argument("--batch-sizes", default="1,4,16")
@@ -299,6 +348,7 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ngram-k", type=int, default=3)
     p.add_argument("--vllm-eagle-k", type=int, default=3)
+    p.add_argument("--vllm-suffix-k", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/latest"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
@@ -314,7 +364,7 @@ def table(args, argv: list[str] | None) -> int:
 
     if run_as_worker(args, run_table_worker):
         return 0
-    check_systems(args.systems, TABLE_SYSTEMS)
+    check_systems(args.systems, TABLE_SYSTEMS + TABLE_OPTIONAL)
     for path, what in ((args.target, "--target"), (args.head, "--head")):
         if not Path(path).is_dir():
             raise SystemExit(
@@ -362,6 +412,8 @@ def run_curve_worker(system: str, args) -> list[dict]:
             warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
             warm_batch = [warm_prompts[(rep * 7 + i) % len(warm_prompts)] for i in range(c)]
             llm.generate(warm_batch, warm, use_tqdm=False)
+            if system in PLUGIN_SYSTEMS:  # a suffix cache starts cold: no prompt seen twice
+                suffix_stats(llm, clear_cache=True)
             before = spec_counters(llm)
             history_len = 0
             if system == "eagle2-auto":
@@ -458,6 +510,8 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
     p.add_argument("--eagle2-config", default=DEFAULT_EAGLE2_CONFIG)
     p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--suffix-config", default=DEFAULT_SUFFIX_CONFIG)
+    p.add_argument("--eagle2-suffix-config", default=DEFAULT_EAGLE2_SUFFIX_CONFIG)
     p.add_argument("--systems", default=",".join(CURVE_SYSTEMS))
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -473,7 +527,7 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
 def curve(args, argv: list[str] | None) -> int:
     args.systems = args.systems.split(",")
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    check_systems(args.systems, CURVE_SYSTEMS)
+    check_systems(args.systems, CURVE_SYSTEMS + CURVE_OPTIONAL)
     if run_as_worker(args, run_curve_worker):
         return 0
 

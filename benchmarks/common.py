@@ -23,6 +23,8 @@ DEFAULT_HEAD = str(ROOT / "heads/smollm2-135m-instruct-eagle")
 DEFAULT_EAGLE_CONFIG = str(ROOT / "configs/eagle.yaml")
 DEFAULT_EAGLE2_CONFIG = str(ROOT / "configs/eagle2.yaml")
 DEFAULT_AUTO_CONFIG = str(ROOT / "configs/eagle2-auto.yaml")
+DEFAULT_SUFFIX_CONFIG = str(ROOT / "configs/suffix.yaml")
+DEFAULT_EAGLE2_SUFFIX_CONFIG = str(ROOT / "configs/eagle2-suffix.yaml")
 
 # Every named system a benchmark can run; each script accepts a subset.
 SYSTEMS = {
@@ -32,6 +34,9 @@ SYSTEMS = {
     "eagle": "eagle-vllm chain (--eagle-config)",
     "eagle2": "eagle-vllm tree (--eagle2-config)",
     "eagle2-auto": "eagle-vllm tree with load-aware sizing (--auto-config)",
+    "suffix": "eagle-vllm model-free suffix trees (--suffix-config)",
+    "eagle2-suffix": "eagle-vllm tree merged with suffix candidates (--eagle2-suffix-config)",
+    "vllm-suffix": "vLLM's built-in suffix decoding (arctic-inference; --vllm-suffix-k drafts)",
     # on the plugin's worker, whose runner times the same phases as the plugin's own steps
     "vanilla-timed": "vanilla vLLM on the plugin's worker (its runner times the phases)",
     "ngram-timed": "vLLM's ngram set never to match (a 40-token n-gram) on the plugin's worker",
@@ -42,10 +47,17 @@ SYSTEMS = {
     "tree-2-6": "--auto-config pinned to two passes of a 6-node tree (2,6)",
     "auto": "--auto-config, the sizer's own choice",
 }
-# the systems served by eagle_vllm.LLM from one of the three configs
-PLUGIN_SYSTEMS = ("eagle", "eagle2", "eagle2-auto")
+# the systems served by eagle_vllm.LLM from one of their configs (args attribute)
+PLUGIN_CONFIGS = {
+    "eagle": "eagle_config",
+    "eagle2": "eagle2_config",
+    "eagle2-auto": "auto_config",
+    "suffix": "suffix_config",
+    "eagle2-suffix": "eagle2_suffix_config",
+}
+PLUGIN_SYSTEMS = tuple(PLUGIN_CONFIGS)
 # vLLM's own speculative decoding (its CPU build mis-expands sampled batches)
-STOCK_SPEC_SYSTEMS = ("ngram", "vllm-eagle")
+STOCK_SPEC_SYSTEMS = ("ngram", "vllm-eagle", "vllm-suffix")
 # the --auto-config systems: the arm ``passes,nodes`` every step is pinned to, or None (free)
 PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "tree-2-6": "2,6", "auto": None}
 
@@ -136,7 +148,7 @@ def build_engine(system: str, args, **kwargs):
 
         if PINS.get(system):
             os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[system]
-        config = {"eagle": "eagle_config", "eagle2": "eagle2_config"}.get(system, "auto_config")
+        config = PLUGIN_CONFIGS.get(system, "auto_config")
         return LLM(args.target, speculative_config=getattr(args, config), **kwargs)
     import vllm
 
@@ -149,6 +161,16 @@ def build_engine(system: str, args, **kwargs):
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 2,
         }
+        return vllm.LLM(args.target, speculative_config=spec, **kwargs)
+    if system == "vllm-suffix":
+        try:
+            import arctic_inference.suffix_decoding  # noqa: F401
+        except ImportError as exc:
+            raise SystemExit(
+                f"error: vllm-suffix needs the arctic-inference package ({exc}). "
+                "Fix: see benchmarks/README.md (vLLM's suffix decoding) or drop the system."
+            ) from None
+        spec = {"method": "suffix", "num_speculative_tokens": args.vllm_suffix_k}
         return vllm.LLM(args.target, speculative_config=spec, **kwargs)
     if system == "vllm-eagle":
         spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.vllm_eagle_k}
@@ -170,6 +192,22 @@ def shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
+
+
+def suffix_stats(llm, clear_cache: bool = False) -> dict:
+    """The suffix source's totals ({} without one); ``clear_cache`` empties its cache of
+    past responses first, so the next measurement starts cold (the seed corpus stays)."""
+    return llm.collective_rpc("eagle_vllm_suffix", kwargs={"clear_cache": clear_cache})[0]
+
+
+def suffix_delta(after: dict, before: dict) -> dict:
+    """What one measurement added: accepted drafts per source, host time per step."""
+    if not after:
+        return {}
+    accepted = {k: v - before.get("accepted", {}).get(k, 0) for k, v in after["accepted"].items()}
+    steps = after["host_steps"] - before.get("host_steps", 0)
+    seconds = after["host_seconds"] - before.get("host_seconds", 0.0)
+    return {"accepted": accepted, "host_steps": steps, "host_seconds": seconds}
 
 
 def reset_timings(llm) -> None:

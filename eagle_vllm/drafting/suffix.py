@@ -885,6 +885,13 @@ class GlobalSuffixCache:
         else:  # the key's last response: drop its whole index
             del self._indexes[key], self._per_key[key]
 
+    def clear(self) -> None:
+        """Drop every cached response (the seed corpus stays)."""
+        self._indexes.clear()
+        self._fifo.clear()
+        self._per_key.clear()
+        self._tokens = 0
+
     def seed(self, sequences: Iterable[Sequence[int]], max_tokens: int) -> int:
         """Add a seed corpus (e.g. the target's own answers), up to ``max_tokens`` tokens in
         all (whole sequences only). Returns the tokens added. Every key drafts from it."""

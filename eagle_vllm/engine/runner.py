@@ -78,11 +78,11 @@ class EagleCPUModelRunner(CPUModelRunner):
         self.deferred = DeferredDrafts()
         self.step: StepState | None = None  # the step in flight (or the last one)
         self._drafted: DraftedTrees | None = None  # the last drafts, verified next step
+        self.suffix: SuffixDrafts | None = None  # the suffix source (a suffix section)
         if self.eagle_config is None or self.speculative_config is None:
             return
         cfg = self.eagle_config
         self.platform = for_current_platform()
-        self.suffix: SuffixDrafts | None = None
         if cfg.auto_size:
             extra_nodes, extra_depth = (
                 (0, 0) if cfg.suffix is None else (cfg.suffix.max_nodes, cfg.suffix.max_depth)

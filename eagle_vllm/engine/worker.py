@@ -56,16 +56,19 @@ class EagleWorker(vllm_surface.cpu_worker_base()):
             return {}
         return {**sizer.table(), "history": [list(h) for h in sizer.history]}
 
-    def eagle_vllm_suffix(self, record: bool | None = None) -> dict:
+    def eagle_vllm_suffix(self, record: bool | None = None, clear_cache: bool = False) -> dict:
         """The suffix source's totals ({} without a suffix section): accepted drafts per
         source, host time per step, cache size. ``record=True`` starts keeping every
         step's suffix candidates per request (returned under ``"drafted"``); ``False``
-        stops and clears it."""
+        stops and clears it. ``clear_cache``: drop the cached past responses (the seed
+        corpus stays), e.g. so that a benchmark's next condition starts cold."""
         suffix = getattr(self.model_runner, "suffix", None)
         if suffix is None:
             return {}
         if record is not None:
             suffix.record = {} if record else None
+        if clear_cache:
+            suffix.cache.clear()
         out = suffix.stats()
         if suffix.record is not None:
             out["drafted"] = {k: [list(d) for d in v] for k, v in suffix.record.items()}

@@ -370,6 +370,24 @@ def test_finish_caches_the_response_only_and_remove_nothing():
     reqs.extend("b", [9, 9])
     reqs.remove("b")
     assert cache.responses(("s", None)) == [[4, 5, 6]] and len(reqs) == 0
+    # the output a user received: cut after a stop token accepted mid-step
+    reqs.add_request("c", [1], ("s", None))
+    reqs.extend("c", [7, 2, 8])
+    assert reqs.response("c") == [7, 2, 8]
+    reqs.finish("c", response_len=2)
+    assert cache.responses(("s", None)) == [[4, 5, 6], [7, 2]]
+
+
+def test_clear_drops_responses_and_keeps_the_seed():
+    cache = GlobalSuffixCache(4, max_len=4)
+    cache.seed([[1, 2, 3]], max_tokens=10)
+    cache.add(("s", None), [5, 6, 7])
+    cache.clear()
+    assert len(cache) == 0 and cache.num_tokens == 0 and cache.keys() == []
+    (seed,) = cache.indexes_for(("s", None))
+    assert seed.continuations([1]) == {2: 1}
+    cache.add(("s", None), [5, 6])
+    assert cache.responses(("s", None)) == [[5, 6]]
 
 
 # --------------------------------------------------------------------------- candidates
