@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench reference-head ablation-head regen-data
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head ablation-head regen-data
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench:
 	$(PY) benchmarks/bench.py curve --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
 		--max-tokens 64 --reps 4 --out benchmarks/results/curve-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
+
+# vLLM's built-in suffix decoding for the `vllm-suffix` benchmark system: arctic-inference's
+# suffix tree alone, built into .arctic/pkg (not installed: its package patches vLLM).
+vllm-suffix:
+	bash benchmarks/build_arctic_suffix.sh
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
 # made it. The first user turns of ShareGPT conversations 0-4736 (MT-bench/HumanEval

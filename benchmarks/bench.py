@@ -59,7 +59,7 @@ TABLE_SYSTEMS = (
     "vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto", "suffix", "eagle2-suffix",
 )  # fmt: skip
 # also accepted: vLLM's suffix decoding, where arctic-inference is installed
-TABLE_OPTIONAL = ("vllm-suffix",)
+TABLE_OPTIONAL = ("vllm-suffix", "eagle2-auto-nosuffix")
 CURVE_SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
 CURVE_OPTIONAL = ("suffix", "eagle2-suffix")
 
@@ -81,7 +81,9 @@ Systems (each in its own engine process, one after the other, same settings):
   configs/suffix.yaml)
 * ``eagle2-suffix`` eagle-vllm tree merged with suffix candidates
   (``--eagle2-suffix-config``, default configs/eagle2-suffix.yaml)
-* ``vllm-suffix`` vLLM's built-in suffix decoding (needs arctic-inference; not in the
+* ``vllm-suffix`` vLLM's built-in suffix decoding (needs arctic-inference: ``make
+  vllm-suffix``; not in the default list)
+* ``eagle2-auto-nosuffix`` ``--auto-config`` without its suffix section (not in the
   default list)
 
 Systems that learn from past requests (a suffix source's cache of responses) start
@@ -169,6 +171,8 @@ def run_table_worker(system: str, args) -> list[dict]:
                     if ours:
                         reset_timings(llm)
                         suffix_before = suffix_stats(llm, clear_cache=True)
+                    if system == "vllm-suffix":  # its cache of responses starts cold too
+                        suffix_stats(llm, clear_cache=True)
                     tokens, start = 0, time.perf_counter()
                     for i in range(0, len(prompts), batch):
                         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)

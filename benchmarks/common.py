@@ -36,6 +36,7 @@ SYSTEMS = {
     "eagle2-auto": "eagle-vllm tree with load-aware sizing (--auto-config)",
     "suffix": "eagle-vllm model-free suffix trees (--suffix-config)",
     "eagle2-suffix": "eagle-vllm tree merged with suffix candidates (--eagle2-suffix-config)",
+    "eagle2-auto-nosuffix": "--auto-config without its suffix section (the source's A/B)",
     "vllm-suffix": "vLLM's built-in suffix decoding (arctic-inference; --vllm-suffix-k drafts)",
     # on the plugin's worker, whose runner times the same phases as the plugin's own steps
     "vanilla-timed": "vanilla vLLM on the plugin's worker (its runner times the phases)",
@@ -143,6 +144,16 @@ def build_engine(system: str, args, **kwargs):
     (vllm-eagle), ``ngram_k`` (ngram). Pinned systems (``PINS``) set
     ``EAGLE_VLLM_SIZER_PIN`` in this process's environment, which the engine (in this
     process or its child) reads."""
+    if system == "eagle2-auto-nosuffix":  # --auto-config without its suffix section
+        import yaml
+
+        from eagle_vllm import LLM
+
+        path = Path(args.auto_config).resolve()
+        config = yaml.safe_load(path.read_text())
+        config.pop("suffix", None)
+        config["model"] = str((path.parent / config["model"]).resolve())
+        return LLM(args.target, speculative_config=config, **kwargs)
     if system in PLUGIN_SYSTEMS or system in PINS:
         from eagle_vllm import LLM
 
@@ -163,15 +174,27 @@ def build_engine(system: str, args, **kwargs):
         }
         return vllm.LLM(args.target, speculative_config=spec, **kwargs)
     if system == "vllm-suffix":
+        # arctic-inference's suffix tree, built alone by benchmarks/build_arctic_suffix.sh;
+        # on PYTHONPATH too, for an engine-core process
+        pkg = ROOT / ".arctic/pkg"
+        if pkg.is_dir():
+            sys.path.insert(0, str(pkg))
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
         try:
             import arctic_inference.suffix_decoding  # noqa: F401
         except ImportError as exc:
             raise SystemExit(
                 f"error: vllm-suffix needs the arctic-inference package ({exc}). "
-                "Fix: see benchmarks/README.md (vLLM's suffix decoding) or drop the system."
+                "Fix: make vllm-suffix (benchmarks/build_arctic_suffix.sh), or drop the system."
             ) from None
+        from eagle_vllm.config import WORKER_CLS
+
+        # on the plugin's worker, which runs vLLM's own decoding unchanged and can empty
+        # vLLM's suffix cache between measurements (RPC eagle_vllm_suffix)
         spec = {"method": "suffix", "num_speculative_tokens": args.vllm_suffix_k}
-        return vllm.LLM(args.target, speculative_config=spec, **kwargs)
+        return vllm.LLM(args.target, speculative_config=spec, worker_cls=WORKER_CLS, **kwargs)
     if system == "vllm-eagle":
         spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.vllm_eagle_k}
         return vllm.LLM(args.target, speculative_config=spec, **kwargs)

@@ -64,6 +64,11 @@ class EagleWorker(vllm_surface.cpu_worker_base()):
         corpus stays), e.g. so that a benchmark's next condition starts cold."""
         suffix = getattr(self.model_runner, "suffix", None)
         if suffix is None:
+            # vLLM's own suffix decoding on this worker (benchmarks): its cache can be emptied
+            cache = getattr(getattr(self.model_runner, "drafter", None), "suffix_cache", None)
+            if clear_cache and cache is not None:
+                for req_id in list(cache.cached_requests):
+                    cache.evict_cached_response(req_id)
             return {}
         if record is not None:
             suffix.record = {} if record else None

@@ -676,7 +676,9 @@ def test_custom_logits_processors_are_refused_before_workers_start(models, tmp_p
     apply_to_engine_args(args)  # not ours
 
 
-@pytest.mark.parametrize("name", ["eagle.yaml", "eagle2.yaml", "eagle2-auto.yaml"])
+@pytest.mark.parametrize(
+    "name", ["eagle.yaml", "eagle2.yaml", "eagle2-auto.yaml", "eagle2-suffix.yaml"]
+)
 def test_shipped_configs_load_the_committed_reference_head(name):
     """configs/*.yaml point at heads/smollm2-135m-instruct-eagle, which is in the repo."""
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
@@ -768,6 +770,15 @@ def test_shipped_auto_config_parses():
     root = Path(__file__).resolve().parents[2]
     cfg = parse_speculative_config(root / "configs" / "eagle2-auto.yaml")
     assert cfg.auto_size and cfg.method == "eagle2" and cfg.total_tokens >= 8
+    assert cfg.suffix is not None  # on: it pays (BENCHMARKS.md, hybrid drafting)
+
+
+def test_shipped_suffix_configs_parse():
+    root = Path(__file__).resolve().parents[2]
+    cfg = parse_speculative_config(root / "configs" / "suffix.yaml")
+    assert cfg.method == "suffix" and cfg.suffix.cache_requests == 1000
+    hybrid = parse_speculative_config(root / "configs" / "eagle2-suffix.yaml")
+    assert hybrid.suffix is not None and hybrid.total_tokens == 12
 
 
 # --------------------------------------------------------------------------
