@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args)
         return 0
     results = []
-    for dataset in args.datasets.split(","):
-        for name in args.systems.split(","):
+    for name in args.systems.split(","):
+        for dataset in args.datasets.split(","):
             if name not in SYSTEMS:
                 raise SystemExit(f"error: unknown system '{name}' (use {', '.join(SYSTEMS)})")
             config = system_config(name, args.set, args.seed_corpus)
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{share.get('both', 0):.2f}  suffix ms/step "
                   f"{row['suffix'].get('host_ms_per_step', 0):.2f}  {row['seconds']:.0f} s",
                   flush=True)  # fmt: skip
-    if args.out:
-        write(args, results, argv)
+            if args.out:  # after every row: a long run's finished rows are kept
+                write(args, results, argv)
     return 0
 
 
