@@ -231,14 +231,16 @@ class EagleCPUModelRunner(CPUModelRunner):
         )
         with self.timings.phase("verify"), binding, self._position_keyed_plain_sampling(verifying):
             out = super()._sample(logits, verifying)
+        as_chains = None  # requests verified as chains, found once for both readers
+        if verifying is not None and (self.sizer is not None or self.suffix is not None):
+            as_chains = self._verified_as_chains(step.req_ids)
         if self.sizer is not None and spec_decode_metadata is not None:
             if verifying is None:  # no drafts: nothing accepted or rejected to count
                 self.sizer.age_acceptance(self._sampled_share())
             else:
-                self._observe_acceptance(spec_decode_metadata)
+                self._observe_acceptance(spec_decode_metadata, as_chains)
         if self.suffix is not None and verifying is not None and step.verifying is not None:
-            self.suffix.observe(step.verifying, step.req_ids, step.accepted_nodes,
-                                self._verified_as_chains(step.req_ids))  # fmt: skip
+            self.suffix.observe(step.verifying, step.req_ids, step.accepted_nodes, as_chains)
         if step.tree_batch is not None and spec_decode_metadata is not None:
             with self.timings.phase("kv_compaction"):
                 self._compact_kv(step.tree_batch, step.accepted_nodes)
@@ -248,11 +250,10 @@ class EagleCPUModelRunner(CPUModelRunner):
         n = self.input_batch.num_reqs
         return len(vs.sampled_req_ids(self.input_batch)) / n if n else 0.0
 
-    def _observe_acceptance(self, metadata) -> None:
+    def _observe_acceptance(self, metadata, as_chains: set[str]) -> None:
         step = self.step
         sampled_ids = vs.sampled_req_ids(self.input_batch)
         sampled = torch.tensor([r in sampled_ids for r in step.req_ids], dtype=torch.bool)
-        as_chains = self._verified_as_chains(step.req_ids)
         step.record.verified_nodes = telemetry.observe_acceptance(
             self.sizer, metadata.num_draft_tokens, step.req_ids, sampled, step.verifying,
             as_chains, step.accepted_nodes,
