@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head ablation-head regen-data
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head ablation-head regen-data regen-data-turns
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -131,3 +131,25 @@ regen-data:
 		--regenerate-only --regen-max-tokens 320 --regen-dtype bfloat16 --seed 0 \
 		2>&1 | tee -a $(REGEN_OUT).log
 	cp $(REGEN_OUT)/conversations.partial.jsonl $(REGEN_DATA)/
+
+# Training data for EAGLE-3 heads (and the next reference head): every user turn (up to 4)
+# of ShareGPT conversations 0-20000 (MT-bench/HumanEval overlap dropped), each answered by
+# SmolLM2 itself with the dialogue so far (its own earlier answers) as context: greedy,
+# fp32 (faster than bf16 on CPUs without AVX-512 BF16), up to 320 tokens per answer.
+# Finished chunks of 256 conversations land in $(TURNS_DATA) as gzipped parts, committed as
+# they come; a rerun answers only the conversations no part holds (stop it any time, or
+# pause it with kill -STOP / -CONT while benchmarks or CI run). Train on them with
+# `eagle-vllm train ... --regenerate --regenerate-turns all --regen-parts-dir $(TURNS_DATA)`
+# (the same selection flags): finished parts are read, not regenerated.
+TURNS_DATA := data/regen-sharegpt-turns
+regen-data-turns:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	mkdir -p artifacts
+	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
+		--out artifacts/regen-sharegpt-turns \
+		--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
+		--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) \
+		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
+		2>&1 | tee -a artifacts/regen-sharegpt-turns.log

@@ -29,6 +29,8 @@ SCHEDULER_CLS = "eagle_vllm.engine.scheduler.SaltCarryingScheduler"
 # eagle: EAGLE chain; eagle2: EAGLE-2 dynamic tree; suffix: model-free suffix-tree drafts
 # (no head). eagle and eagle2 take an optional ``suffix:`` section (hybrid trees).
 METHODS = ("eagle", "eagle2", "suffix")
+# vLLM's name for an EAGLE-3 chain, accepted as the eagle chain with an EAGLE-3 head.
+METHOD_ALIASES_EAGLE3 = "eagle3"
 # vLLM 0.32 runs a model-free drafter named by class path (``method: custom_class``);
 # the plugin's runner drafts the suffix trees itself (engine/suffix_drafts.py).
 SUFFIX_PROPOSER_CLASS = "eagle_vllm.engine.suffix_drafts.SuffixProposer"
@@ -115,6 +117,9 @@ class EagleSpecConfig:
     # the suffix source (hybrid trees for eagle/eagle2; the only source for suffix)
     suffix: SuffixConfig | None = None
     source: str | None = field(default=None, compare=False)
+    # the head's type, read from its checkpoint (models/checkpoint.py): "eagle1" drafts
+    # from the target's last layer, "eagle3" from several layers fused by its fc
+    head_type: str = "eagle1"
 
     @property
     def uses_head(self) -> bool:
@@ -149,7 +154,9 @@ class EagleSpecConfig:
                 "num_speculative_tokens": self.num_draft_slots,
             }
         return {
-            "method": "eagle",
+            # eagle3 makes vLLM's runner collect the target's auxiliary layers
+            # (SupportsEagle3.set_aux_hidden_state_layers) in the target forward
+            "method": "eagle3" if self.head_type == "eagle3" else "eagle",
             "model": self.model,
             "num_speculative_tokens": self.num_draft_slots,
             # vLLM 0.32 drops the last prefix-cache block an EAGLE request hits, so that
@@ -287,11 +294,18 @@ def parse_speculative_config(
     method = data.get("method")
     if method is None:
         raise _fail("method", "missing", f"set it to one of {list(METHODS)}")
+    # vLLM users write eagle3 for an EAGLE-3 chain; here the head type comes from the
+    # checkpoint and the method is the drafting algorithm, so eagle3 is the eagle chain
+    # that insists on an EAGLE-3 head (checked below, once the head is read).
+    asked_eagle3 = method == METHOD_ALIASES_EAGLE3
+    if asked_eagle3:
+        method = "eagle"
     if method not in METHODS:
         raise _fail(
             "method",
             f"unknown method '{method}'",
-            "use 'eagle' (chain), 'eagle2' (dynamic tree) or 'suffix' (model-free); "
+            "use 'eagle' (chain; 'eagle3' is accepted for an EAGLE-3 head), 'eagle2' "
+            "(dynamic tree) or 'suffix' (model-free); "
             "vLLM's built-in "
             "methods are passed to vLLM directly, not through eagle_vllm",
         )
@@ -407,8 +421,16 @@ def parse_speculative_config(
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
 
     info = inspect_draft_checkpoint(str(model_path))  # raises on unreadable/mismatched weights
+    if asked_eagle3 and info.head_type != "eagle3":
+        raise _fail(
+            "method",
+            f"'eagle3' needs an EAGLE-3 head, and '{model_path}' is an EAGLE-1 head "
+            "(fc takes [embed; feature], no hidden_norm, no d2t)",
+            "use method 'eagle' (the chain runs either head type) or an EAGLE-3 checkpoint",
+        )
     draft_vocab = _resolve_draft_vocab(data.get("draft_vocab", "auto"), info)
     cfg = EagleSpecConfig(
+        head_type=info.head_type,
         draft_vocab=draft_vocab,
         method=method,
         model=str(model_path),
@@ -538,6 +560,13 @@ def _resolve_draft_vocab(value: str | int, info) -> int:
         return 0
     if isinstance(value, str):
         raise _fail("draft_vocab", f"unknown value '{value}'", "use auto, full or a number")
+    if info.head_type == "eagle3":
+        raise _fail(
+            "draft_vocab",
+            f"an EAGLE-3 head drafts over its own vocabulary ({info.head_vocab_size} tokens "
+            "of its lm_head, mapped by d2t)",
+            "drop draft_vocab",
+        )
     if info.draft_vocab_size == 0:
         raise _fail(
             "draft_vocab",
@@ -600,6 +629,15 @@ def validate_against_target(
             "model",
             f"draft vocab_size {info.vocab_size} does not match the target's {t_vocab} ({target})",
             "use a draft trained for this target's tokenizer",
+        )
+    t_layers = text_cfg.get("num_hidden_layers")
+    # id j is the residual stream entering layer j; j == num_layers is the last layer's output
+    if info.aux_layer_ids and t_layers is not None and max(info.aux_layer_ids) > t_layers:
+        raise _fail(
+            "model",
+            f"the EAGLE-3 head reads target layers {list(info.aux_layer_ids)} "
+            f"(eagle_aux_hidden_state_layer_ids) but the target has {t_layers} layers ({target})",
+            "use a head trained for this target",
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import vllm
 
 from eagle_vllm.config import (
+    METHOD_ALIASES_EAGLE3,
     METHODS,
     EagleConfigError,
     parse_speculative_config,
@@ -23,7 +24,8 @@ class LLM(vllm.LLM):
         speculative_model: an EAGLE draft folder; alone it means ``method: eagle``.
         speculative_config: a dict or the path of a YAML/JSON file with the
             keys documented in the README (``method``, ``model``, ...). Method
-            ``eagle``/``eagle2``/``suffix`` is the plugin's; other vLLM methods (e.g.
+            ``eagle``/``eagle3``/``eagle2``/``suffix`` is the plugin's (the head type comes
+            from the checkpoint); other vLLM methods (e.g.
             ``{"method": "ngram", ...}``) pass through to vLLM unchanged.
     Everything else goes to ``vllm.LLM`` unchanged.
     """
@@ -44,9 +46,12 @@ class LLM(vllm.LLM):
             )
             validate_against_target(cfg, model, kwargs.get("max_model_len"))
             resolved = cfg.engine_kwargs()
-        elif isinstance(speculative_config, dict) and speculative_config.get("method") in METHODS:
-            # Through eagle_vllm.LLM, method eagle means the plugin's chain; vLLM's
-            # built-in EAGLE stays reachable through vllm.LLM.
+        elif isinstance(speculative_config, dict) and speculative_config.get("method") in (
+            *METHODS,
+            METHOD_ALIASES_EAGLE3,
+        ):
+            # Through eagle_vllm.LLM, method eagle (eagle3) means the plugin's chain;
+            # vLLM's built-in EAGLE (EAGLE-3) stays reachable through vllm.LLM.
             cfg = parse_speculative_config(speculative_config, target=model)
             validate_against_target(cfg, model, kwargs.get("max_model_len"))
             resolved = cfg.engine_kwargs()

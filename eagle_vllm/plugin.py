@@ -1,7 +1,7 @@
 """vLLM plugin entry point (``vllm.general_plugins`` -> ``eagle_vllm.plugin:register``).
 
 vLLM calls ``register()`` in every process (front end, engine core, workers),
-so it is idempotent and cheap: it registers the draft architecture by name
+so it is idempotent and cheap: it registers the draft architectures by name
 (lazily imported) and wraps two ``EngineArgs`` methods so that
 ``--speculative-config`` accepts a YAML/JSON file path. The wrappers are
 pass-throughs unless a config is meant for eagle_vllm (a file path, method
@@ -19,6 +19,13 @@ from __future__ import annotations
 import functools
 
 _REGISTERED = False
+# The draft heads, by architecture name (importing them would import vLLM's models).
+DRAFT_ARCHITECTURES = {
+    "EagleVllmLlamaForCausalLM": "eagle_vllm.models.eagle_llama:EagleVllmLlamaForCausalLM",
+    "EagleVllmEagle3LlamaForCausalLM": (
+        "eagle_vllm.models.eagle3_llama:EagleVllmEagle3LlamaForCausalLM"
+    ),
+}
 
 
 def register() -> None:
@@ -29,12 +36,10 @@ def register() -> None:
 
     from vllm import ModelRegistry
 
-    from eagle_vllm.models.eagle_llama import ARCHITECTURE
-
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(
-            ARCHITECTURE, "eagle_vllm.models.eagle_llama:EagleVllmLlamaForCausalLM"
-        )
+    supported = ModelRegistry.get_supported_archs()
+    for architecture, class_path in DRAFT_ARCHITECTURES.items():
+        if architecture not in supported:
+            ModelRegistry.register_model(architecture, class_path)
     _patch_engine_args()
 
 

@@ -120,7 +120,6 @@ def build_draft(
 
     path.mkdir(parents=True, exist_ok=True)
     target_cfg = json.loads((target / "config.json").read_text())
-    vocab = target_cfg["vocab_size"]
     h, kv = HIDDEN, KV_HEADS * (HIDDEN // HEADS)
     g = torch.Generator().manual_seed(seed)
 
@@ -153,22 +152,7 @@ def build_draft(
     if with_embed:
         target_weights = load_file(str(target / "model.safetensors"))
         weights["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"].clone()
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": 1,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "max_position_embeddings": target_cfg["max_position_embeddings"],
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-        "bias": fc_bias is not None,
-    }
+    cfg = {**_draft_layer_config(target_cfg), "bias": fc_bias is not None}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = {k: v.contiguous().float() for k, v in weights.items()}
     if bin_format:
@@ -176,6 +160,25 @@ def build_draft(
     else:
         save_file(weights, str(path / "model.safetensors"))
     return path
+
+
+def _draft_layer_config(target_cfg: dict) -> dict:
+    """The Llama config of a one-layer draft for a tiny target."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": target_cfg["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "vocab_size": target_cfg["vocab_size"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
 
 
 def build_lora(path: Path, target: Path, rank: int = 8, scale: float = 0.3, seed: int = 0) -> Path:
@@ -217,4 +220,135 @@ def build_lora(path: Path, target: Path, rank: int = 8, scale: float = 0.3, seed
             }
         )
     )
+    return path
+
+
+def oracle_next_tokens(target: Path) -> torch.Tensor:
+    """[V] the greedy next token of an oracle target (``build_target(oracle=True)``) after
+    each token: its residual stream stays the token's embedding, so the next token is
+    argmax(lm_head . rmsnorm(embed(t)))."""
+    from safetensors.torch import load_file
+
+    w = load_file(str(target / "model.safetensors"))
+    embed = w["model.embed_tokens.weight"].double()
+    normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (normed @ w["lm_head.weight"].double().T).argmax(-1)
+
+
+def build_eagle3_draft(
+    path: Path,
+    target: Path,
+    *,
+    kind: str = "random",
+    layout: str = "speculators",
+    draft_vocab: int | None = None,
+    aux_layers: tuple[int, ...] = (0, 1, 2),
+    seed: int = 2,
+) -> Path:
+    """Write an EAGLE-3 head for ``target``: ``layout`` ``speculators`` (what
+    ``eagle-vllm train --arch eagle3`` writes) or ``safeailab`` (``midlayer.*``, a Llama
+    config.json). ``draft_vocab``: an LM head over that many target ids (a seeded random
+    subset, mapped by ``d2t``; None: the full vocabulary, no ``d2t``).
+
+    ``kind="oracle2"`` (for an oracle target, whose features are all the token's
+    embedding): fc keeps the first layer's feature, the decoder passes it through, and the
+    LM head maps rmsnorm(embed(t)) to the token two steps after t (least squares over the
+    whole vocabulary), so depth-1 drafts are right and deeper ones mostly wrong."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    target_cfg = json.loads((target / "config.json").read_text())
+    vocab = target_cfg["vocab_size"]
+    h, kv, n = HIDDEN, KV_HEADS * (HIDDEN // HEADS), len(aux_layers)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    if draft_vocab is None:
+        used = torch.arange(vocab)
+    else:
+        used = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    rows = used.numel()
+    weights = {
+        "fc.weight": rnd(h, n * h, std=0.1),
+        "layers.0.self_attn.q_proj.weight": rnd(h, 2 * h, std=0.1),
+        "layers.0.self_attn.k_proj.weight": rnd(kv, 2 * h, std=0.1),
+        "layers.0.self_attn.v_proj.weight": rnd(kv, 2 * h, std=0.1),
+        "layers.0.self_attn.o_proj.weight": rnd(h, h),
+        "layers.0.mlp.gate_proj.weight": rnd(INTERMEDIATE, h),
+        "layers.0.mlp.up_proj.weight": rnd(INTERMEDIATE, h),
+        "layers.0.mlp.down_proj.weight": rnd(h, INTERMEDIATE),
+        "layers.0.input_layernorm.weight": torch.ones(h),
+        "layers.0.hidden_norm.weight": torch.ones(h),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": rnd(rows, h),
+    }
+    if kind == "oracle2":
+        weights["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, (n - 1) * h)], dim=1)
+        weights["layers.0.self_attn.o_proj.weight"].zero_()
+        weights["layers.0.mlp.down_proj.weight"].zero_()
+        nxt = oracle_next_tokens(target)
+        two_ahead = nxt[nxt]
+        embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"].double()
+        normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-6)  # [V, h]
+        column_of = {int(t): i for i, t in enumerate(used)}
+        wanted = torch.zeros(vocab, rows, dtype=torch.float64)
+        for t, u in enumerate(two_ahead.tolist()):
+            if u in column_of:
+                wanted[t, column_of[u]] = 20.0
+        weights["lm_head.weight"] = torch.linalg.lstsq(normed, wanted).solution.T.float()
+    elif kind != "random":
+        raise ValueError(kind)
+    if draft_vocab is not None:
+        weights["d2t"] = used - torch.arange(rows)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[used] = True
+        weights["t2d"] = t2d
+    layer_cfg = {
+        **_draft_layer_config(target_cfg),
+        "tie_word_embeddings": False,
+        "num_aux_hidden_states": n,
+        "hidden_act": "silu",
+        "rope_theta": target_cfg.get("rope_theta", 10000.0),
+        "attention_bias": False,
+    }
+    if layout == "speculators":
+        cfg = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "draft_vocab_size": rows,
+            "norm_before_residual": True,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+            "transformer_layer_config": layer_cfg,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": 3,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }  # fmt: skip
+                ],
+                "verifier": {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+    elif layout == "safeailab":
+        cfg = {**layer_cfg, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": rows,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}}  # fmt: skip
+        weights = {
+            ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+            for k, v in weights.items()
+        }
+    else:
+        raise ValueError(layout)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() if v.dtype == torch.bool else v.contiguous().float()
+               if v.is_floating_point() else v.contiguous()
+               for k, v in weights.items()}, str(path / "model.safetensors"))  # fmt: skip
     return path

@@ -36,6 +36,7 @@ from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
 from eagle_vllm.engine.step import DraftedTrees, StepBound, StepState
 from eagle_vllm.engine.suffix_drafts import merge_drafts
+from eagle_vllm.models.eagle3_llama import ARCHITECTURE3
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
@@ -98,7 +99,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
         # Route the draft to the plugin's architecture (fc bias, no attention-bias mixup).
-        self.speculative_config.draft_model_config.hf_config.architectures = [ARCHITECTURE]
+        architecture = ARCHITECTURE3 if self.eagle_config.head_type == "eagle3" else ARCHITECTURE
+        self.speculative_config.draft_model_config.hf_config.architectures = [architecture]
         return super()._get_model()
 
     def load_model(self, target_model: nn.Module) -> None:
@@ -137,6 +139,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
         step = self._step
         assert step is not None, "propose runs inside bound_to(step)"
         batch_size = common_attn_metadata.batch_size()
+        # EAGLE-3: the target's layers, concatenated by vLLM's runner, fused by fc
+        target_hidden_states = self.model.draft_features(target_hidden_states)
         last_hidden, hidden, token_indices_to_sample, cad = vllm_surface.first_pass_forward(
             self, target_token_ids=target_token_ids, next_token_ids=next_token_ids,
             target_positions=target_positions, target_hidden_states=target_hidden_states,
@@ -293,15 +297,13 @@ class EagleTreeProposer(StepBound, EagleProposer):
                 for shim in shims:
                     shim.mask = node_mask
                 positions = (root_positions[:, None] + depth).clamp(max=max_position)
-                x = self.model.combine_features(
+                logit_hidden, features = self.model.decode(
                     frontier.tokens.clamp(min=0).reshape(-1),
                     parent_hidden.reshape(batch * width, -1),
+                    positions.reshape(-1),
                 )
-                residual = None
-                for layer in layers:
-                    x, residual = layer(positions.reshape(-1), x, residual)
-                node_hidden = (x + residual).view(batch, width, -1)
-                expand(*self._draft_logprobs(node_hidden.reshape(batch * width, -1), width))
+                node_hidden = features.view(batch, width, -1)
+                expand(*self._draft_logprobs(logit_hidden, width))
         return finish()
 
     @torch.inference_mode()
@@ -314,13 +316,12 @@ class EagleTreeProposer(StepBound, EagleProposer):
         shims = self._prefix_attention_shims(layers, block_table, starts.to(device))
         for shim in shims:
             shim.mask = mask
-        x = self.model.combine_features(
-            tokens.to(device).reshape(-1), features.reshape(-1, features.shape[-1])
-        )
-        residual = None
         with _swapped_attention(layers, shims):
-            for layer in layers:
-                x, residual = layer(positions.to(device).reshape(-1), x, residual)
+            self.model.decode(
+                tokens.to(device).reshape(-1),
+                features.reshape(-1, features.shape[-1]),
+                positions.to(device).reshape(-1),
+            )
         return [(layer.self_attn.attn, (s.node_k, s.node_v)) for layer, s in zip(layers, shims)]
 
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):

@@ -297,11 +297,12 @@ class EagleCPUModelRunner(CPUModelRunner):
 
     # -- 5. drafting for the next step --------------------------------------------
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, *args, **kwargs):  # fmt: skip
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                *args, **kwargs):  # fmt: skip
         if self.eagle_config is None:  # vLLM's own speculation on this worker (benchmarks)
             return super().propose_draft_token_ids(
                 scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                *args, **kwargs,
+                sample_hidden_states, aux_hidden_states, *args, **kwargs,
             )  # fmt: skip
         step = self.step
         caught_up_before = step.record.catch_up_seconds
@@ -315,12 +316,16 @@ class EagleCPUModelRunner(CPUModelRunner):
                 and self.sizer is not None
                 and _plain_decode(scheduler_output)
             ):
-                out = self._defer_drafting(scheduler_output, sampled_token_ids, hidden_states)
+                out = self._defer_drafting(
+                    scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states
+                )
             else:
                 if self.deferred:  # the first pass reads the deferred positions
                     self._catch_up(self._first_scheduled_positions())
                 if step.tree_batch is not None and self.eagle_config.uses_head:
-                    hidden_states = self._accepted_path_as_chain(step, hidden_states)
+                    hidden_states, aux_hidden_states = self._accepted_path_as_chain(
+                        step, hidden_states, aux_hidden_states
+                    )
                 if self.eagle_config.draft_sample_method == "sample":  # only they read it
                     step.structured_req_ids = frozenset(
                         r for r in step.req_ids
@@ -333,7 +338,7 @@ class EagleCPUModelRunner(CPUModelRunner):
                 with self.drafter.bound_to(step):
                     out = super().propose_draft_token_ids(
                         scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                        *args, **kwargs,
+                        sample_hidden_states, aux_hidden_states, *args, **kwargs,
                     )  # fmt: skip
         self._drafted = step.drafted
         step.record.draft_ran = True
@@ -365,9 +370,12 @@ class EagleCPUModelRunner(CPUModelRunner):
         choice = self.sizer.decide(batch.num_reqs, len(vs.sampled_req_ids(batch)))
         return tuple(vs.tp_broadcast(choice, self.parallel_config.tensor_parallel_size))
 
-    def _defer_drafting(self, scheduler_output, sampled_token_ids, hidden_states) -> torch.Tensor:
+    def _defer_drafting(
+        self, scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states
+    ) -> torch.Tensor:
         """A plain decode step before a drafts-off step: skip the drafter and keep what its
-        first pass needs (one position per request); the draft KV is written later,
+        first pass needs (one position per request: the token and the draft's feature,
+        fused from the target's layers for EAGLE-3); the draft KV is written later,
         many positions per forward. Returns no drafts."""
         num_reqs = self.input_batch.num_reqs
         if isinstance(sampled_token_ids, list):
@@ -380,10 +388,14 @@ class EagleCPUModelRunner(CPUModelRunner):
         else:  # one sampled token per request: no drafts were verified
             next_tokens = sampled_token_ids[:num_reqs, 0]
         positions = self.positions[:num_reqs].to("cpu", torch.int64)  # one token per request
+        if aux_hidden_states is not None:  # EAGLE-3: keep the fused feature (H, not n*H)
+            target_features = torch.cat([h[:num_reqs] for h in aux_hidden_states], dim=-1)
+            features = self.drafter.model.draft_features(target_features)
+        else:
+            features = hidden_states[:num_reqs]
         full = self.deferred.defer(
-            self.step.req_ids[:num_reqs], positions, next_tokens, hidden_states[:num_reqs],
-            self.requests,
-        )  # fmt: skip
+            self.step.req_ids[:num_reqs], positions, next_tokens, features, self.requests
+        )
         if full:  # bound what waits (memory)
             self._catch_up(positions + 1)
         self.step.drafted, self.step.drafted_size = None, (0, 1)
@@ -437,10 +449,12 @@ class EagleCPUModelRunner(CPUModelRunner):
         starts = vs.query_starts(self)[:num_reqs].to(torch.int64)
         return self.positions.to("cpu", torch.int64)[starts]
 
-    def _accepted_path_as_chain(self, step: StepState, hidden_states: torch.Tensor):
+    def _accepted_path_as_chain(self, step: StepState, hidden_states: torch.Tensor,
+                                aux_hidden_states: list[torch.Tensor] | None):  # fmt: skip
         """Reorder each tree's rows to [root, accepted path..., the rest] and make positions
         linear, so the drafter's first pass sees the accepted tokens as a chain whose
-        features are the target's features of exactly those nodes."""
+        features (the last layer's, or EAGLE-3's auxiliary layers') are the target's
+        features of exactly those nodes."""
         tb = step.tree_batch
         paths = step.accepted_nodes[tb.batch_rows].tolist()  # [R, D]
         width = tb.width
@@ -457,11 +471,13 @@ class EagleCPUModelRunner(CPUModelRunner):
         perm = torch.arange(hidden_states.shape[0])
         perm[dst] = src
         hidden_states = hidden_states[perm]
+        if aux_hidden_states is not None:
+            aux_hidden_states = [h[perm] for h in aux_hidden_states]
         input_ids = vs.step_input_ids(self)
         input_ids[dst] = input_ids[src].clone()
         offsets = torch.arange(width)[None, :].expand_as(order)
         self.positions[dst] = (tb.root_pos[:, None] + offsets)[valid]
-        return hidden_states
+        return hidden_states, aux_hidden_states
 
 
 def _pinned_size(sizer: TreeSizer) -> tuple[int, int] | None:

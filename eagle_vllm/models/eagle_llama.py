@@ -92,6 +92,22 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
         logits[:, ids] = sub
         return logits
 
+    def draft_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The target's feature is the draft's (one layer, the last)."""
+        return target_features
+
+    def decode(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder over rows of (token, feature, position), layer by layer (the
+        drafter swaps each layer's attention for tree attention). Returns the hidden
+        state the LM head reads and the feature of the next draft step (the same)."""
+        x, residual = self.combine_features(input_ids, features), None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual)
+        hidden = x + residual
+        return hidden, hidden
+
     def combine_features(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(t); f]): the decoder input for a (token, feature) pair."""
         embed = self.model.embed_tokens  # shared with the target

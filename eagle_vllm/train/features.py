@@ -1,10 +1,16 @@
-"""The target's features for training: its last hidden state (after the final norm).
+"""The target's features for training: its last hidden state (after the final norm),
+and for EAGLE-3 heads the inputs of chosen decoder layers.
 
-This is exactly what vLLM hands an EAGLE-1 draft at inference: the target
-model's forward output ``hidden_states`` (``LlamaModel.forward`` returns the
+The last hidden state is exactly what vLLM hands an EAGLE-1 draft at inference: the
+target model's forward output ``hidden_states`` (``LlamaModel.forward`` returns the
 normed states), which the proposer pairs with the next token. Here the same
 states come from transformers' ``model.model(...).last_hidden_state``;
 ``tests/integration/test_train.py`` checks the two agree for the same tokens.
+An EAGLE-3 head also trains on it: the target's distribution is lm_head(last hidden).
+
+EAGLE-3 features (``layers``) are the residual stream entering decoder layer j, which is
+vLLM's auxiliary hidden state j (``SupportsEagle3``: ``hidden_states + residual`` before
+layer j) and transformers' ``hidden_states[j]``; they are stored concatenated, [L, n*H].
 
 Features are computed in length-sorted batches and cached on disk in shards
 (``shard-NNNNN.pt``), so an interrupted run resumes where it stopped.
@@ -29,6 +35,7 @@ class Example:
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] bool
     hidden: torch.Tensor  # [L, H] target features
+    aux: torch.Tensor | None = None  # [L, n*H] inputs of the EAGLE-3 layers (None: EAGLE-1)
 
 
 def load_target(target: str | Path, dtype: str = "bfloat16"):
@@ -38,8 +45,11 @@ def load_target(target: str | Path, dtype: str = "bfloat16"):
     return model.eval()
 
 
-def _fingerprint(target: Path, examples: list[TokenizedConversation], dtype: str) -> str:
-    h = hashlib.sha256(f"{Path(target).resolve()}|{dtype}".encode())
+def _fingerprint(
+    target: Path, examples: list[TokenizedConversation], dtype: str, layers=None
+) -> str:
+    key = f"{Path(target).resolve()}|{dtype}" + ("" if layers is None else f"|{list(layers)}")
+    h = hashlib.sha256(key.encode())
     for ex in examples:
         h.update(ex.input_ids.numpy().tobytes())
         h.update(ex.loss_mask.numpy().tobytes())
@@ -47,8 +57,9 @@ def _fingerprint(target: Path, examples: list[TokenizedConversation], dtype: str
 
 
 @torch.inference_mode()
-def target_features(model, batch: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Last hidden states for a list of token-id tensors (right-padded in one forward)."""
+def target_features(model, batch: list[torch.Tensor], layers=None):
+    """Last hidden states for a list of token-id tensors (right-padded in one forward);
+    with ``layers``, pairs (last hidden, concatenated inputs of those decoder layers)."""
     lengths = [len(ids) for ids in batch]
     width = max(lengths)
     ids = torch.zeros(len(batch), width, dtype=torch.int64)
@@ -56,8 +67,12 @@ def target_features(model, batch: list[torch.Tensor]) -> list[torch.Tensor]:
     for i, seq in enumerate(batch):
         ids[i, : len(seq)] = seq
         attn[i, : len(seq)] = 1
-    hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-    return [hidden[i, :n] for i, n in enumerate(lengths)]
+    out = model.model(input_ids=ids, attention_mask=attn, output_hidden_states=layers is not None)
+    hidden = out.last_hidden_state
+    if layers is None:
+        return [hidden[i, :n] for i, n in enumerate(lengths)]
+    aux = torch.cat([out.hidden_states[j] for j in layers], dim=-1)
+    return [(hidden[i, :n], aux[i, :n]) for i, n in enumerate(lengths)]
 
 
 def extract_features(
@@ -70,8 +85,10 @@ def extract_features(
     tokens_per_batch: int = 8192,
     shard_size: int = 256,
     progress: bool = True,
+    layers: tuple[int, ...] | None = None,
 ) -> Path:
-    """Compute and cache features for ``examples``; returns the cache folder.
+    """Compute and cache features for ``examples``; returns the cache folder. ``layers``:
+    also the inputs of these decoder layers (EAGLE-3), stored concatenated.
 
     ``dtype`` is the storage dtype; the target runs in ``compute_dtype`` (fp32
     by default: transformers' bf16 forward measured 3.5x slower on this CPU).
@@ -80,7 +97,7 @@ def extract_features(
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     meta_path = cache / "meta.json"
-    fingerprint = _fingerprint(Path(target), examples, dtype)
+    fingerprint = _fingerprint(Path(target), examples, dtype, layers)
     num_shards = -(-len(examples) // shard_size)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
@@ -107,6 +124,7 @@ def extract_features(
         shard = examples[s * shard_size : (s + 1) * shard_size]
         order = sorted(range(len(shard)), key=lambda i: len(shard[i].input_ids))
         hidden: list[torch.Tensor | None] = [None] * len(shard)
+        aux: list[torch.Tensor | None] = [None] * len(shard)
         start = 0
         while start < len(order):
             width = len(shard[order[start]].input_ids)
@@ -116,8 +134,11 @@ def extract_features(
                 if width * (end - start + 1) > tokens_per_batch:
                     break
                 end += 1
-            feats = target_features(model, [shard[i].input_ids for i in order[start:end]])
+            feats = target_features(model, [shard[i].input_ids for i in order[start:end]], layers)
             for i, f in zip(order[start:end], feats):
+                if layers is not None:
+                    f, a = f
+                    aux[i] = a.to(DTYPES[dtype]).clone()
                 hidden[i] = f.to(DTYPES[dtype]).clone()
             if bar is not None:
                 bar.update(sum(len(shard[i].input_ids) for i in order[start:end]))
@@ -127,6 +148,8 @@ def extract_features(
             "loss_mask": [ex.loss_mask for ex in shard],
             "hidden": hidden,
         }
+        if layers is not None:
+            payload["aux"] = aux
         tmp = cache / f"shard-{s:05d}.pt.tmp"
         torch.save(payload, tmp)
         tmp.rename(cache / f"shard-{s:05d}.pt")
@@ -143,6 +166,7 @@ def extract_features(
         "num_tokens": sum(len(ex.input_ids) for ex in examples),
         "num_shards": num_shards,
         "hidden_size": hidden_size,
+        "layers": None if layers is None else list(layers),
     }
     if meta_path.exists() and hidden_size is None:
         meta["hidden_size"] = json.loads(meta_path.read_text())["hidden_size"]
@@ -156,6 +180,9 @@ def load_features(cache_dir: str | Path) -> list[Example]:
     out: list[Example] = []
     for s in range(meta["num_shards"]):
         payload = torch.load(cache / f"shard-{s:05d}.pt", weights_only=True)
-        for ids, mask, hidden in zip(payload["input_ids"], payload["loss_mask"], payload["hidden"]):
-            out.append(Example(ids.long(), mask, hidden))
+        aux = payload.get("aux") or [None] * len(payload["hidden"])
+        for ids, mask, hidden, a in zip(
+            payload["input_ids"], payload["loss_mask"], payload["hidden"], aux
+        ):
+            out.append(Example(ids.long(), mask, hidden, a))
     return out

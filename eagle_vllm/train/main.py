@@ -1,7 +1,13 @@
-"""``eagle-vllm train``: conversations -> target features -> EAGLE-1 head, in one command.
+"""``eagle-vllm train``: conversations -> target features -> EAGLE head, in one command.
 
     eagle-vllm train --target models/SmolLM2-135M-Instruct --out heads/my-head \
         --num-conversations 4000 --max-steps 3000
+    eagle-vllm train --arch eagle3 --ttt-steps 5 --ce-vocab 16384 ...
+
+``--arch eagle1`` (default) trains an EAGLE-1 head (feature regression + CE, SafeAILab
+layout); ``--arch eagle3`` an EAGLE-3 head (target layers 2, L/2, L-3 fused, training-
+time test, draft vocabulary of ``--ce-vocab`` tokens) exported in the ``speculators``
+format, which the plugin and stock vLLM (``method: eagle3``) both load.
 
 Every stage is cached in ``--out`` (or ``--features-dir``), so rerunning the
 same command resumes: tokenised data and regenerated answers
@@ -22,6 +28,12 @@ from eagle_vllm.train.trainer import TrainConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model folder (HF layout)")
+    p.add_argument(
+        "--arch",
+        choices=["eagle1", "eagle3"],
+        default="eagle1",
+        help="head type: eagle1 (last-layer feature) or eagle3 (fused layers, TTT)",
+    )
     p.add_argument("--out", required=True, help="output folder: checkpoint, logs, curves")
     p.add_argument(
         "--data",
@@ -41,6 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--regenerate-only",
         action="store_true",
         help="stop once OUT/conversations.jsonl is written (no features, no training)",
+    )
+    p.add_argument(
+        "--regenerate-turns",
+        choices=["first", "all"],
+        default="first",
+        help="first: answer each first user turn; all: answer every user turn in order, "
+        "the dialogue so far (with the target's own answers) as context",
+    )
+    p.add_argument("--regen-max-turns", type=int, default=8)
+    p.add_argument(
+        "--regen-parts-dir",
+        default=None,
+        help="--regenerate-turns all: folder of finished chunks (default OUT/dialogues)",
     )
     p.add_argument("--regen-max-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
@@ -100,7 +125,20 @@ def run(args: argparse.Namespace) -> Path:
         convs = [json.loads(line) for line in conv_file.read_text().splitlines()]
     else:
         convs = _conversations(args)
-        if args.regenerate:
+        if args.regenerate and args.regenerate_turns == "all":
+            from eagle_vllm.train.regenerate import regenerate_conversations
+
+            convs = regenerate_conversations(
+                args.target,
+                convs,
+                max_tokens=args.regen_max_tokens,
+                temperature=args.regen_temperature,
+                seed=args.seed,
+                dtype=args.regen_dtype,
+                max_turns=args.regen_max_turns,
+                parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
+            )
+        elif args.regenerate:
             from eagle_vllm.train.regenerate import regenerate_answers
 
             convs = regenerate_answers(
@@ -132,8 +170,18 @@ def run(args: argparse.Namespace) -> Path:
         f"{sum(int(e.loss_mask.sum()) for e in examples)} assistant tokens",
         flush=True,
     )
+    layers = None
+    if args.arch == "eagle3":
+        from eagle_vllm.train.eagle3 import parse_aux_layers
+
+        target_config = json.loads((Path(args.target) / "config.json").read_text())
+        layers = parse_aux_layers(args.aux_layers, target_config["num_hidden_layers"])
     cache = extract_features(
-        args.target, examples, args.features_dir or out / "features", dtype=args.feature_dtype
+        args.target,
+        examples,
+        args.features_dir or out / "features",
+        dtype=args.feature_dtype,
+        layers=layers,
     )
     config = TrainConfig(
         **{
@@ -142,10 +190,17 @@ def run(args: argparse.Namespace) -> Path:
         }
     )
     (out / "train_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
-    trainer = Trainer(args.target, load_features(cache), out, config)
+    if layers is None:
+        trainer = Trainer(args.target, load_features(cache), out, config)
+    else:
+        from eagle_vllm.train.eagle3 import Eagle3Trainer, plot_eagle3_curves
+
+        trainer = Eagle3Trainer(args.target, load_features(cache), out, config, layers)
     last = trainer.fit()
     trainer.export(args.export_dtype)
-    plot_curves(trainer.log_path, out / "training_curves.png")
+    (plot_curves if layers is None else plot_eagle3_curves)(
+        trainer.log_path, out / "training_curves.png"
+    )
     print(json.dumps({"out": str(out), **{k: v for k, v in last.items()}}), flush=True)
     return out
 

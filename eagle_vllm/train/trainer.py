@@ -65,6 +65,13 @@ class TrainConfig:
     log_every: int = 10
     max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this
     seed: int = 0
+    # EAGLE-3 (--arch eagle3, train/eagle3.py): unrolled steps of the training-time test,
+    # their loss decay, target layers ("" = 2, L/2, L-3), an optional HASS-style top-K term
+    ttt_steps: int = 5
+    ttt_decay: float = 0.8
+    aux_layers: str = ""
+    ttt_topk: int = 10
+    ttt_topk_weight: float = 0.0
 
 
 def load_target_embeddings(target: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -193,11 +200,12 @@ class Trainer:
             self.vocab_ids = frequent_tokens(self.train, vocab, config.ce_vocab)
         else:
             self.vocab_ids = torch.arange(vocab)
+        self.target_lm_head = lm_head
         self.lm_head = lm_head[self.vocab_ids].contiguous()
         # full-vocab id -> row of self.lm_head (-1 if not drafted)
         self.row_of = torch.full((vocab,), -1, dtype=torch.int64)
         self.row_of[self.vocab_ids] = torch.arange(len(self.vocab_ids))
-        self.model = EagleHead(self.target_config, fc_bias=config.fc_bias)
+        self.model = self.build_model()
         self.opt = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.lr,
@@ -208,6 +216,9 @@ class Trainer:
         self.step = 0
         self.log_path = self.out / "train_log.jsonl"
         self._resume()
+
+    def build_model(self) -> torch.nn.Module:
+        return EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)
 
     def _lr_factor(self, step: int) -> float:
         c = self.cfg
@@ -283,11 +294,12 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         rng = random.Random(1234)
-        totals, count = {"loss": 0.0, "smooth_l1": 0.0, "ce": 0.0, "acc": 0.0}, 0
+        totals: dict[str, float] = {}
+        count = 0
         for batch in make_batches(self.val, self.cfg.tokens_per_batch, rng):
             parts = self._losses(batch, self.val, train=False)
-            for k in totals:
-                totals[k] += float(parts[k]) * len(batch)
+            for k, v in parts.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * len(batch)
             count += len(batch)
         self.model.train()
         return {f"val_{k}": v / max(count, 1) for k, v in totals.items()}

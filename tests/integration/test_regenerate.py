@@ -12,18 +12,25 @@ pytestmark = pytest.mark.vllm
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
-    import vllm
+def _chat_target(tmp_path):
+    """A tiny oracle target with a plain chat template."""
     from tiny_models import build_target
-    from vllm import SamplingParams
-
-    from eagle_vllm.train.regenerate import regenerate_answers
 
     target = build_target(tmp_path / "t", oracle=True, context=0.002)
     cfg_path = target / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
+    return target
+
+
+def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
+    import vllm
+    from vllm import SamplingParams
+
+    from eagle_vllm.train.regenerate import regenerate_answers
+
+    target = _chat_target(tmp_path)
     conversations = [
         [
             {"role": "user", "content": "w1 w2 w3"},
@@ -61,3 +68,47 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
     # one line per kept prompt, written as each chunk finished: a rerun resumes from it
     rows = [json.loads(line) for line in progress.read_text().splitlines()]
     assert rows == [{"index": i, "answer": w} for i, w in enumerate(want)]
+
+
+def test_every_turn_regenerated_with_the_targets_dialogue_as_context(tmp_path):
+    """--regenerate-turns all: turn k is answered with the user turns before it and the
+    target's own earlier answers as context (the dataset's answers are never seen); a
+    rerun resumes from the progress file without recomputing finished conversations."""
+    import vllm
+    from vllm import SamplingParams
+
+    from eagle_vllm.train.regenerate import regenerate_conversations
+
+    target = _chat_target(tmp_path)
+    conversations = [
+        [
+            {"role": "user", "content": "w1 w2 w3"},
+            {"role": "assistant", "content": "w9 w9"},
+            {"role": "user", "content": "w4"},
+            {"role": "assistant", "content": "w8"},
+            {"role": "user", "content": "w40 w41"},
+        ],
+        [{"role": "user", "content": "w17 w5"}, {"role": "assistant", "content": "w3"}],
+    ]
+    parts = tmp_path / "dialogues"
+    kw = dict(max_tokens=6, dtype="float32", max_model_len=512, parts_dir=parts, chunk=1)
+    got = regenerate_conversations(target, conversations, **kw)
+
+    llm = vllm.LLM(str(target), **ENGINE_KW)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    dialogue: list[dict] = []
+    for user in [m for m in conversations[0] if m["role"] == "user"]:
+        dialogue.append(user)
+        answer = llm.chat([dialogue], params, use_tqdm=False)[0].outputs[0].text
+        dialogue.append({"role": "assistant", "content": answer})
+    single = llm.chat([conversations[1][:1]], params, use_tqdm=False)[0].outputs[0].text
+    shutdown(llm)
+    assert got[0] == dialogue and len(got[0]) == 6
+    assert got[1] == [conversations[1][0], {"role": "assistant", "content": single}]
+    assert "w9 w9" not in json.dumps(got)  # the dataset's own answers are never used
+    written = sorted(p.name for p in parts.iterdir())
+    assert written == ["part-0000000.jsonl.gz", "part-0000001.jsonl.gz"]
+    # resuming: a rerun answers only what no part holds, and rewrites no finished part
+    (parts / written[1]).unlink()  # as if stopped before the second chunk
+    again = regenerate_conversations(target, conversations, **kw)
+    assert again == got and sorted(p.name for p in parts.iterdir()) == written

@@ -98,22 +98,50 @@ def test_trainer_features_equal_what_the_plugin_feeds_the_draft(chat_target, tin
     torch.testing.assert_close(ours, hidden.float(), atol=1e-4, rtol=1e-4)
 
 
-def test_train_tiny_head_loss_falls_and_loads_in_vllm(chat_target, tmp_path):
+def test_trainer_eagle3_features_equal_what_the_plugin_feeds_the_draft(
+    chat_target, tmp_path, monkeypatch
+):
+    """EAGLE-3: the layer inputs the trainer caches (transformers' hidden_states[j]) equal
+    the auxiliary hidden states vLLM's target forward hands the plugin's drafter."""
+    from tiny_models import build_eagle3_draft
     from vllm import SamplingParams
 
     from eagle_vllm import LLM
-    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
-    from eagle_vllm.train.main import main as train_main
+    from eagle_vllm.engine.proposer import EagleTreeProposer
+    from eagle_vllm.train.features import load_target, target_features
 
-    rng = random.Random(0)
+    head = build_eagle3_draft(tmp_path / "e3", chat_target, aux_layers=(0, 1))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    seen = []
+    original = EagleTreeProposer.propose
+
+    def recording_propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                          target_hidden_states, *args, **kwargs):  # fmt: skip
+        seen.append(target_hidden_states.clone())
+        return original(self, num_speculative_tokens, target_token_ids, target_positions,
+                        target_hidden_states, *args, **kwargs)  # fmt: skip
+
+    monkeypatch.setattr(EagleTreeProposer, "propose", recording_propose)
+    prompt = [5 + (7 * i) % 200 for i in range(37)]
+    llm = LLM(model=str(chat_target), speculative_model=str(head), **ENGINE_KW)
+    try:
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        shutdown(llm)
+    model = load_target(chat_target, "float32")
+    _, aux = target_features(model, [torch.tensor(prompt)], layers=(0, 1))[0]
+    torch.testing.assert_close(aux, seen[0].float(), atol=1e-4, rtol=1e-4)
+
+
+def _write_target_conversations(chat_target, path, rng) -> None:
+    """48 conversations: random prompts answered by the target itself (greedy)."""
     prompts = [[4 + rng.randrange(250) for _ in range(rng.randrange(4, 12))] for _ in range(48)]
     answers = _greedy_continuations(chat_target, prompts, 40)
 
     def words(ids):
         return " ".join(f"w{i - 4}" for i in ids if i >= 4)
 
-    data = tmp_path / "conversations.jsonl"
-    data.write_text(
+    path.write_text(
         "".join(
             json.dumps(
                 {
@@ -127,6 +155,90 @@ def test_train_tiny_head_loss_falls_and_loads_in_vllm(chat_target, tmp_path):
             for p, a in zip(prompts, answers)
         )
     )
+
+
+def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(chat_target, tmp_path):
+    """--arch eagle3: features of target layers (0, 1), a 3-step training-time test over a
+    200-token draft vocabulary; the loss falls, per-step accuracy is logged, and the
+    speculators-format export drafts in the plugin's tree and in stock vLLM's eagle3 chain
+    (the same chain, the same tau), both giving the target's greedy output."""
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+    from eagle_vllm.train.main import main as train_main
+
+    rng = random.Random(0)
+    data = tmp_path / "conversations.jsonl"
+    _write_target_conversations(chat_target, data, rng)
+    out = tmp_path / "head3"
+    train_main(
+        ["--arch", "eagle3", "--aux-layers", "0,1", "--ttt-steps", "3", "--ce-vocab", "200",
+         "--target", str(chat_target), "--out", str(out), "--data", str(data),
+         "--num-conversations", "48", "--max-steps", "60", "--lr", "3e-3",
+         "--warmup-steps", "5", "--tokens-per-batch", "512", "--eval-every", "30",
+         "--log-every", "1", "--save-every", "30", "--feature-dtype", "float32",
+         "--export-dtype", "float32", "--val-fraction", "0.1", "--noise", "none"]
+    )  # fmt: skip
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    first, last = log[0], log[-1]
+    assert last["step"] == 60 and last["loss"] < 0.5 * first["loss"], (first, last)
+    assert {"val_acc_1", "val_acc_2", "val_acc_3"} <= set(last), last
+    assert last["val_acc_1"] > 0.5, last
+    assert (out / "training_curves.png").stat().st_size > 1000
+    info = inspect_draft_checkpoint(str(out))
+    assert info.head_type == "eagle3" and info.speculators_format
+    assert info.aux_layer_ids == (0, 1) and info.head_vocab_size == 200
+
+    held_out = [{"prompt_token_ids": [4 + rng.randrange(250) for _ in range(8)]} for _ in range(6)]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    vanilla = LLM(model=str(chat_target), **ENGINE_KW)
+    expected = [o.outputs[0].token_ids for o in vanilla.generate(held_out, params)]
+    shutdown(vanilla)
+    results = {}
+    for name, spec in {
+        "plugin-chain": {"method": "eagle3", "num_speculative_tokens": 3,
+                         "draft_sample_method": "greedy"},
+        "plugin-tree": {"method": "eagle2", "num_speculative_tokens": 3, "topk": 2,
+                        "total_tokens": 8},
+    }.items():  # fmt: skip
+        llm = LLM(model=str(chat_target), speculative_model=str(out),
+                  speculative_config=spec, **ENGINE_KW)  # fmt: skip
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(held_out, params)]
+            results[name] = mean_acceptance_length(spec_metrics(llm))
+        finally:
+            shutdown(llm)
+        assert got == expected, name
+    import vllm
+
+    stock = vllm.LLM(
+        model=str(chat_target),
+        speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3},
+        **ENGINE_KW,
+    )
+    try:
+        stock_got = [o.outputs[0].token_ids for o in stock.generate(held_out, params)]
+        results["stock-chain"] = mean_acceptance_length(spec_metrics(stock))
+    finally:
+        shutdown(stock)
+    print(f"trained tiny EAGLE-3 head: {results}")
+    assert stock_got == expected
+    assert results["plugin-chain"] > 1.5, results  # a trained head is accepted
+    assert abs(results["stock-chain"] - results["plugin-chain"]) < 0.05, results
+    assert results["plugin-tree"] >= results["plugin-chain"] - 0.05, results
+
+
+def test_train_tiny_head_loss_falls_and_loads_in_vllm(chat_target, tmp_path):
+    from vllm import SamplingParams
+
+    from eagle_vllm import LLM
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+    from eagle_vllm.train.main import main as train_main
+
+    rng = random.Random(0)
+    data = tmp_path / "conversations.jsonl"
+    _write_target_conversations(chat_target, data, rng)
     out = tmp_path / "head"
     args = [
         "--target",

@@ -23,7 +23,7 @@ P_MIN = 1e-4
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    from tiny_models import build_draft, build_target
+    from tiny_models import build_draft, build_eagle3_draft, build_target
 
     root = tmp_path_factory.mktemp("small")
     target = build_target(root / "target", oracle=True, context=0.002, words=6, lm_scale=0.3)
@@ -31,6 +31,9 @@ def small(tmp_path_factory):
         "target": target,
         "good": build_draft(root / "good", target, kind="oracle"),
         "random": build_draft(root / "random", target, kind="random"),
+        # EAGLE-3 heads: q over a 7-of-10-token draft vocabulary (d2t), zero elsewhere
+        "e3good": build_eagle3_draft(root / "e3good", target, kind="oracle2", draft_vocab=7),
+        "e3random": build_eagle3_draft(root / "e3random", target, draft_vocab=7),
     }
 
 
@@ -99,6 +102,9 @@ CASES = [
     # merged into the tree, and alone
     pytest.param("eagle2+suffix", "good", 1.0, 1.0, id="eagle2-suffix-good-T1"),
     pytest.param("suffix", None, 0.7, 0.9, id="suffix-T0.7-top_p0.9"),
+    # EAGLE-3 heads: a tree, and a chain sampled from q over the head's draft vocabulary
+    pytest.param("eagle2", "e3good", 1.0, 1.0, id="eagle2-eagle3-good-T1"),
+    pytest.param("eagle", "e3random", 0.7, 0.9, id="eagle-sampled-eagle3-random-T0.7-top_p0.9"),
 ]
 
 

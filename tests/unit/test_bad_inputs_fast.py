@@ -311,6 +311,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "sizing_profile": "None",
         "suffix": "None",
         "source": str(models["good"]),
+        "head_type": "eagle1",
     }
     assert run["wall_s"] < MAX_WALL_S
 

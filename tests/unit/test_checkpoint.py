@@ -244,3 +244,112 @@ def test_errors_are_not_cached(tmp_path, target):
     check_error(draft, "fc.bias")
     rewrite(draft, bias=False)
     assert not inspect(draft).fc_bias
+
+
+# --------------------------------------------------------------------------
+# EAGLE-3 heads (speculators format and SafeAILab's midlayer layout)
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["speculators", "safeailab"])
+@pytest.mark.parametrize("draft_vocab", [None, 100], ids=["fullvocab", "d2t"])
+def test_eagle3_layouts(tmp_path, target, layout, draft_vocab):
+    from tiny_models import build_eagle3_draft
+
+    draft = build_eagle3_draft(
+        tmp_path / "e3", target, layout=layout, draft_vocab=draft_vocab, aux_layers=(0, 0, 0)
+    )
+    info = inspect(draft)
+    assert info.head_type == "eagle3" and info.num_layers == 1 and not info.fc_bias
+    assert info.aux_layer_ids == (0, 0, 0) and info.num_aux_layers == 3
+    assert info.head_vocab_size == (draft_vocab or VOCAB)
+    assert info.has_draft_vocab_map == (draft_vocab is not None)
+    assert info.speculators_format == (layout == "speculators")
+    assert (info.hidden_size, info.vocab_size) == (HIDDEN, VOCAB)
+
+
+def test_eagle3_default_layers_when_config_names_none(tmp_path, target):
+    from tiny_models import build_eagle3_draft
+
+    draft = build_eagle3_draft(tmp_path / "e3", target, aux_layers=(0, 0, 0))
+    rewrite(draft, eagle_aux_hidden_state_layer_ids=None)
+    info = inspect(draft)
+    assert info.aux_layer_ids is None and info.num_aux_layers == 3
+
+
+def _eagle3(tmp_path, target, **kw):
+    from tiny_models import build_eagle3_draft
+
+    return build_eagle3_draft(tmp_path / "e3", target, aux_layers=(0, 0, 0), **kw)
+
+
+def test_eagle3_fc_width_must_match_layer_count(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    rewrite(draft, eagle_aux_hidden_state_layer_ids=[0, 0])
+    check_error(draft, "fc.weight", f"[{HIDDEN}, {2 * HIDDEN}]", "eagle_aux_hidden_state_layer_ids")
+
+
+@pytest.mark.parametrize("ids", [[], "2", [1, -1]])
+def test_eagle3_bad_layer_ids(tmp_path, target, ids):
+    draft = _eagle3(tmp_path, target)
+    rewrite(draft, eagle_aux_hidden_state_layer_ids=ids)
+    if ids == []:  # empty: the target's default layers, as in vLLM
+        assert inspect(draft).aux_layer_ids is None
+    else:
+        check_error(draft, "eagle_aux_hidden_state_layer_ids")
+
+
+def test_eagle3_reduced_vocab_needs_d2t(tmp_path, target):
+    draft = _eagle3(tmp_path, target, draft_vocab=100)
+    w = load_weights(draft)
+    del w["d2t"]
+    rewrite(draft, w)
+    check_error(draft, "d2t", "[100]")
+
+
+def test_eagle3_draft_vocab_size_must_match_lm_head(tmp_path, target):
+    draft = _eagle3(tmp_path, target, draft_vocab=100)
+    rewrite(draft, draft_vocab_size=120)
+    check_error(draft, "draft_vocab_size 120", "100 rows")
+
+
+def test_eagle3_with_fc_bias_is_refused(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    w = load_weights(draft)
+    w["fc.bias"] = torch.zeros(HIDDEN)
+    rewrite(draft, w)
+    check_error(draft, "fc.bias")
+
+
+def test_eagle3_with_draft_vocab_json_is_refused(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
+    check_error(draft, "draft_vocab.json", "own vocabulary")
+
+
+def test_speculators_config_over_eagle1_weights_is_refused(tmp_path, target):
+    """A folder that mixes the types: an EAGLE-3 (speculators) config, EAGLE-1 weights."""
+    e3 = _eagle3(tmp_path, target)
+    draft = build_draft(tmp_path / "e1", target)
+    shutil.copy(e3 / "config.json", draft / "config.json")
+    check_error(draft, "speculators eagle3 config but EAGLE-1 weights")
+
+
+def test_other_speculators_types_are_refused(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    rewrite(draft, speculators_model_type="mlp")
+    check_error(draft, "speculators 'mlp'", "EAGLE-1 and EAGLE-3")
+
+
+def test_eagle3_two_layers_refused(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["transformer_layer_config"]["num_hidden_layers"] = 2
+    (draft / "config.json").write_text(json.dumps(cfg))
+    check_error(draft, "num_hidden_layers=2")
+
+
+def test_eagle3_q_proj_must_read_embed_and_feature(tmp_path, target):
+    draft = _eagle3(tmp_path, target)
+    w = load_weights(draft)
+    w["layers.0.self_attn.q_proj.weight"] = torch.zeros(HIDDEN, HIDDEN)
+    rewrite(draft, w)
+    check_error(draft, "q_proj.weight", f"{2 * HIDDEN} wide")

@@ -872,3 +872,62 @@ def test_a_plain_suffix_dict_stays_vllms_unless_it_has_a_section():
 
     assert not is_eagle_vllm_request({"method": "suffix", "num_speculative_tokens": 4})
     assert is_eagle_vllm_request({"method": "suffix", "suffix": {}})
+
+
+# --------------------------------------------------------------------------
+# EAGLE-3 heads: the head type comes from the checkpoint, the method is the algorithm
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory, models) -> Path:
+    from tiny_models import build_eagle3_draft
+
+    root = tmp_path_factory.mktemp("cfg_eagle3")
+    return build_eagle3_draft(root / "e3", models["target"], aux_layers=(0, 0, 0), draft_vocab=64)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle2"])
+def test_eagle3_head_detected_for_every_method(models, eagle3_head, method):
+    cfg = parse_speculative_config(
+        {"method": method, "model": str(eagle3_head)}, target=str(models["target"])
+    )
+    assert cfg.head_type == "eagle3"
+    assert cfg.method == ("eagle2" if method == "eagle2" else "eagle")  # eagle3: the chain
+    vllm_cfg = cfg.engine_kwargs()["speculative_config"]
+    # vLLM's eagle3 method makes its runner collect the target's auxiliary layers
+    assert vllm_cfg["method"] == "eagle3"
+    assert EagleSpecConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_eagle1_head_keeps_vllm_method_eagle(models):
+    cfg = parse_speculative_config({"method": "eagle2", "model": str(models["draft"])})
+    assert cfg.head_type == "eagle1"
+    assert cfg.engine_kwargs()["speculative_config"]["method"] == "eagle"
+
+
+def test_eagle3_method_with_an_eagle1_head(models):
+    msg = parse_err({"method": "eagle3", "model": str(models["draft"])}, "method")
+    assert "EAGLE-1 head" in msg and "use method 'eagle'" in msg
+
+
+def test_draft_vocab_with_an_eagle3_head(models, eagle3_head):
+    msg = parse_err(
+        {"method": "eagle2", "model": str(eagle3_head), "draft_vocab": 32}, "draft_vocab"
+    )
+    assert "own vocabulary (64 tokens" in msg
+
+
+def test_eagle3_head_reading_layers_the_target_lacks(models, eagle3_head, tmp_path):
+    head = tmp_path / "e3"
+    shutil.copytree(eagle3_head, head)
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 5]  # the target has 1 layer
+    (head / "config.json").write_text(json.dumps(cfg))
+    msg = parse_err({"method": "eagle", "model": str(head)}, "model", target=str(models["target"]))
+    assert "[0, 1, 5]" in msg and "has 1" in msg
+
+
+def test_plain_vllm_eagle3_dict_stays_vllms(eagle3_head):
+    """{"method": "eagle3", ...} without plugin-only keys is vLLM's own EAGLE-3 (the
+    benchmark baseline); a file path or a plugin key routes it to the plugin."""
+    assert not is_eagle_vllm_request({"method": "eagle3", "model": str(eagle3_head)})
+    assert is_eagle_vllm_request({"method": "eagle3", "model": str(eagle3_head), "topk": 1})

@@ -1,0 +1,406 @@
+"""EAGLE-3 heads: the model in plain torch, training-time test, ``speculators`` export.
+
+The head (SafeAILab ``eagle/traineagle3/cnets.py``; vLLM 0.32 ``llama_eagle3.py``)::
+
+    g_i  = fc([a_i ; b_i ; c_i])                     features of n target layers, nH -> H
+    x    = [RMSNorm_in(embed(t_{i+1})) ; RMSNorm_hidden(g_i)]          2H, into q/k/v
+    h    = g_i + Attn(x)                             (norm_before_residual: false)
+    o_i  = h + MLP(RMSNorm(h))                       the next step's feature
+    q    = softmax(lm_head(RMSNorm(o_i)))            over the draft vocabulary (its own head)
+
+**Training-time test** (TTT). Step 0 is the first pass over the sequence: position i
+takes token t_{i+1} with the target's feature g_i and predicts t_{i+2}. Step s >= 1
+feeds back the head's own output: position i takes token t_{i+1+s} with o_i of step
+s-1, sits at position i+s, and predicts t_{i+2+s}; it attends to step 0's keys at
+positions <= i (the prefix's draft KV at inference) and to its own earlier steps' keys
+at row i (its ancestors in the draft tree). That is exactly what a draft node at depth
+s+1 sees in the plugin's tree drafter, so the head is trained on the inputs it drafts
+from. The tokens are the true ones (a drafted node only matters if it was right).
+
+**Loss** per step: soft cross-entropy against the target's distribution restricted to
+the draft vocabulary (log-softmax over those logits), at positions whose target argmax
+lies in the draft vocabulary (SafeAILab's mask) and whose input token is an assistant
+token; steps weighted ``decay**s``. Optional extras (``--ttt-topk-weight``): a HASS-style
+term, the same cross-entropy over the target's top-K tokens only.
+
+**Export**: a ``speculators``-format folder (``config.json`` with
+``speculators_model_type: eagle3``; ``model.safetensors`` with ``fc``, ``layers.0.*``,
+``norm``, ``lm_head``, ``d2t``, ``t2d``; the embedding is the target's), which stock
+vLLM (``method: eagle3``) and the plugin both load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_vllm.train.features import Example
+from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta
+from eagle_vllm.train.trainer import TrainConfig, Trainer, feature_noise
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """vLLM 0.32's default (``get_eagle3_default_aux_hidden_state_layers``): the inputs of
+    layers 2, L/2 and L-3 (SafeAILab's choice)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v from [embed ; feature] (2H); attention over step 0's causal keys plus the
+    row's own earlier steps (``keys``/``values`` lists, one entry per step)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta)
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cache.append((k, v))
+        scale = 1 / math.sqrt(self.head_dim)
+        k0, v0 = cache[0]
+        scores = (q @ k0.transpose(-1, -2)) * scale  # [b, h, n, n]: step 0, causal
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]  # [b, h, n, 1]
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        out = probs[..., :n] @ v0
+        for j, (_, vj) in enumerate(cache[1:]):
+            out = out + probs[..., n + j : n + j + 1] * vj
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: dict, theta: float):
+        super().__init__()
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = Eagle3Attention(
+            hidden, heads, config.get("num_key_value_heads", heads), head_dim, theta
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, config["intermediate_size"])
+
+    def forward(self, embeds, features, positions, cache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        h = features + self.self_attn(x, positions, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """The trainable EAGLE-3 head; the token embedding is the target's (frozen, outside)."""
+
+    def __init__(self, target_config: dict, num_aux: int, draft_vocab_size: int):
+        super().__init__()
+        hidden = target_config["hidden_size"]
+        self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(target_config, rope_theta(target_config))])
+        self.norm = RMSNorm(hidden, target_config.get("rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        std = target_config.get("initializer_range", 0.02)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        layer = self.layers[0]
+        layer.self_attn.o_proj.weight.data.mul_(1 / math.sqrt(2))
+        layer.mlp.down_proj.weight.data.mul_(1 / math.sqrt(2))
+
+    def unroll(self, embeds_of, tokens: torch.Tensor, aux: torch.Tensor, steps: int):
+        """Training-time test over ``tokens [B, L]`` and features ``aux [B, L, nH]``:
+        ``steps`` logits ``[B, L, V']``; step s at row i predicts token i+2+s."""
+        b, n = tokens.shape
+        features = self.fc(aux)
+        base = torch.arange(n, device=tokens.device)[None, :].expand(b, n)
+        padded = F.pad(tokens, (0, steps + 1))
+        cache: list = []
+        out = []
+        for s in range(steps):
+            embeds = embeds_of(padded[:, 1 + s : 1 + s + n])
+            features = self.layers[0](embeds, features, base + s, cache)
+            out.append(self.lm_head(self.norm(features)))
+        return out
+
+
+def target_distributions(
+    last_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position of ``last_hidden [N, H]``: the target's log-probabilities restricted
+    to the draft vocabulary (renormalised there) ``[N, V']``, whether the target's argmax
+    lies in the draft vocabulary ``[N]``, and that argmax's draft column (-1 if not)."""
+    in_vocab = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
+    in_vocab[draft_ids] = torch.arange(len(draft_ids))
+    logps, columns = [], []
+    for start in range(0, last_hidden.shape[0], chunk):
+        h = last_hidden[start : start + chunk].float()
+        full = h @ lm_head.T
+        columns.append(in_vocab[full.argmax(-1)])
+        logps.append(torch.log_softmax(full[:, draft_ids], dim=-1))
+    column = torch.cat(columns)
+    return torch.cat(logps), column >= 0, column
+
+
+def ttt_losses(
+    logits: list[torch.Tensor],
+    target_logp: torch.Tensor,
+    target_column: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    decay: float,
+    topk: int = 0,
+    topk_weight: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Loss and per-step top-1 agreement. ``logits[s] [B, L, V']``; ``target_logp``
+    ``[B, L, V']`` and ``target_column [B, L]`` at the position whose next token step 0
+    predicts (row i -> position i+1); ``valid [B, L]``: rows whose input token at step 0
+    is an assistant token. Step s reads the targets and validity s rows further."""
+    n = target_logp.shape[1]
+    total = logits[0].new_zeros(())
+    parts: dict[str, torch.Tensor] = {}
+    weight_sum = 0.0
+    for s, step_logits in enumerate(logits):
+        rows = n - s  # row i of step s reads target row i + s
+        tgt = target_logp[:, s:]
+        col = target_column[:, s:]
+        mask = valid[:, s:] & (col >= 0)
+        logp = torch.log_softmax(step_logits[:, :rows].float(), dim=-1)
+        sel = mask.nonzero(as_tuple=True)
+        if sel[0].numel() == 0:
+            continue
+        ce = -(tgt[sel].exp() * logp[sel]).sum(-1).mean()
+        loss = ce
+        if topk and topk_weight:
+            top = tgt[sel].topk(topk, dim=-1).indices
+            p_top = tgt[sel].gather(-1, top).exp()
+            loss = loss + topk_weight * -(p_top * logp[sel].gather(-1, top)).sum(-1).mean()
+        total = total + decay**s * loss
+        weight_sum += decay**s
+        with torch.no_grad():
+            parts[f"acc_{s + 1}"] = (logp[sel].argmax(-1) == col[sel]).float().mean()
+            parts[f"ce_{s + 1}"] = ce.detach()
+    parts["loss"] = total / max(weight_sum, 1e-9)
+    parts["acc"] = parts.get("acc_1", total.new_zeros(()))
+    return parts
+
+
+def export_speculators(
+    head: Eagle3Head,
+    out: Path,
+    *,
+    target: str | Path,
+    target_config: dict,
+    aux_layers: tuple[int, ...],
+    draft_ids: torch.Tensor,
+    dtype: torch.dtype,
+    speculative_tokens: int,
+    extra: dict,
+) -> Path:
+    """Write the head as a ``speculators`` eagle3 folder (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    vocab = target_config["vocab_size"]
+    # d2t[i] = target id of draft column i, minus i (the speculators/SafeAILab offset table);
+    # vLLM adds it back in compute_logits. Columns are stored in ascending target id.
+    order = torch.argsort(draft_ids)
+    used = draft_ids[order]
+    weights = {k: v.detach() for k, v in head.state_dict().items()}
+    weights["lm_head.weight"] = weights["lm_head.weight"][order]
+    weights = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+    weights["d2t"] = (used - torch.arange(len(used))).to(torch.int64).contiguous()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    weights["t2d"] = t2d
+    save_file(weights, str(out / "model.safetensors"))
+    layer_cfg = {
+        k: target_config[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_parameters",
+            "rope_scaling",
+            "vocab_size",
+            "hidden_act",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "attention_bias",
+            "mlp_bias",
+        )  # fmt: skip
+        if k in target_config
+    }
+    layer_cfg.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        # vLLM 0.32 sizes fc from this (else 3 layers) for speculators configs
+        num_aux_hidden_states=len(aux_layers),
+        tie_word_embeddings=False,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "draft_vocab_size": len(used),
+        "norm_before_residual": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+        "transformer_layer_config": layer_cfg,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {
+                "name_or_path": str(target),
+                "architectures": target_config.get("architectures", []),
+            },
+        },
+        "eagle_vllm": extra,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def parse_aux_layers(value: str, num_layers: int) -> tuple[int, ...]:
+    """``--aux-layers`` ("" -> the default; "2,15,27" -> those), checked against the target."""
+    layers = (
+        default_aux_layers(num_layers) if not value else tuple(int(x) for x in value.split(","))
+    )
+    if len(set(layers)) != len(layers) or not all(0 <= j < num_layers for j in layers):
+        raise ValueError(
+            f"--aux-layers {list(layers)}: need distinct layer indices in [0, {num_layers}). "
+            "Fix: e.g. --aux-layers 2,15,27, or leave it empty for (2, L/2, L-3)."
+        )
+    return layers
+
+
+def collate_eagle3(examples: list[Example], indices: list[int]):
+    width = max(len(examples[i].input_ids) for i in indices)
+    b = len(indices)
+    first = examples[indices[0]]
+    ids = torch.zeros(b, width, dtype=torch.int64)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    aux = torch.zeros(b, width, first.aux.shape[-1])
+    last = torch.zeros(b, width, first.hidden.shape[-1])
+    for row, i in enumerate(indices):
+        ex = examples[i]
+        n = len(ex.input_ids)
+        ids[row, :n], mask[row, :n] = ex.input_ids, ex.loss_mask
+        aux[row, :n], last[row, :n] = ex.aux.float(), ex.hidden.float()
+    return ids, mask, aux, last
+
+
+class Eagle3Trainer(Trainer):
+    """The EAGLE-1 trainer's loop, schedule, resume and logging, with the EAGLE-3 head,
+    the training-time test and the speculators export. ``ce_vocab`` is the draft
+    vocabulary (0: the full vocabulary, no d2t)."""
+
+    def __init__(self, target, examples: list[Example], out_dir, config: TrainConfig,
+                 aux_layers: tuple[int, ...]):  # fmt: skip
+        if examples and examples[0].aux is None:
+            raise ValueError(
+                "the feature cache has no EAGLE-3 layer features. Fix: use a --features-dir "
+                "made with --arch eagle3 (or a new one)."
+            )
+        if examples and examples[0].aux.shape[-1] != len(aux_layers) * examples[0].hidden.shape[-1]:
+            raise ValueError(
+                f"the feature cache holds other layers than {list(aux_layers)}. Fix: use a "
+                "new --features-dir for these --aux-layers."
+            )
+        self.aux_layers = aux_layers
+        self.target = target
+        super().__init__(target, examples, out_dir, config)
+
+    def build_model(self) -> nn.Module:
+        head = Eagle3Head(self.target_config, len(self.aux_layers), len(self.vocab_ids))
+        with torch.no_grad():  # start from the target's own LM-head rows
+            head.lm_head.weight.copy_(self.lm_head)
+        return head
+
+    def _losses(self, indices: list[int], examples: list[Example], train: bool):
+        ids, mask, aux, last = collate_eagle3(examples, indices)
+        b, n = ids.shape
+        if train:
+            aux = feature_noise(aux, self.cfg.noise, self.cfg.noise_scale)
+        # step 0 row i predicts token i+2 from the target's distribution at position i+1
+        logp, _, column = target_distributions(
+            last[:, 1:].reshape(-1, last.shape[-1]), self.target_lm_head, self.vocab_ids
+        )
+        logp, column = logp.view(b, n - 1, -1), column.view(b, n - 1)
+        logits = self.model.unroll(lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps)
+        return ttt_losses(
+            [x[:, : n - 1] for x in logits], logp, column, mask[:, 1:],
+            decay=self.cfg.ttt_decay, topk=self.cfg.ttt_topk, topk_weight=self.cfg.ttt_topk_weight,
+        )  # fmt: skip
+
+    def export(self, dtype: str = "bfloat16") -> Path:
+        from dataclasses import asdict
+
+        return export_speculators(
+            self.model, self.out, target=self.target, target_config=self.target_config,
+            aux_layers=self.aux_layers, draft_ids=self.vocab_ids,
+            dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype],
+            speculative_tokens=3,
+            extra={"trained_steps": self.step, "train_config": asdict(self.cfg)},
+        )  # fmt: skip
+
+
+def plot_eagle3_curves(log_path: Path, png_path: Path) -> None:
+    """Loss, and validation top-1 agreement per unrolled step, over training steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4))
+    ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], alpha=0.6, label="train")
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_title("TTT loss (decay-weighted soft CE)")
+    ax_loss.legend()
+    steps = sorted({int(k.split("_")[-1]) for r in val for k in r if k.startswith("val_acc_")})
+    for s in steps:
+        pts = [(r["step"], r[f"val_acc_{s}"]) for r in val if f"val_acc_{s}" in r]
+        ax_acc.plot(*zip(*pts), "o-", label=f"unrolled step {s}")
+    ax_acc.set_xlabel("step")
+    ax_acc.set_title("validation top-1 agreement with the target")
+    ax_acc.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

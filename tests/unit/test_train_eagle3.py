@@ -1,0 +1,170 @@
+"""EAGLE-3 training pieces in plain torch (``eagle_vllm/train/eagle3.py``): the training-
+time test against a step-by-step drafting reference, the loss's masks, and the export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle_vllm.train.eagle3 import (
+    Eagle3Head,
+    export_speculators,
+    parse_aux_layers,
+    target_distributions,
+    ttt_losses,
+)
+from eagle_vllm.train.head import apply_rope
+
+torch.set_num_threads(1)
+
+CONFIG = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 50,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+}
+
+
+def _head(seed: int = 0, vocab: int = 20) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(CONFIG, num_aux=3, draft_vocab_size=vocab)
+    for p in head.parameters():  # larger than the init, so every path matters
+        p.data.normal_(0, 0.3)
+    return head
+
+
+def _draft_step(head, embeds, feature, position, prefix_kv, ancestors_kv):
+    """One draft node as the plugin drafts it: attends to the prefix's draft KV (first
+    pass, positions <= root) and to its ancestors' KV; returns (logits, feature, k, v)."""
+    layer = head.layers[0]
+    attn = layer.self_attn
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(feature)], -1)[None, None]
+    pos = torch.tensor([[position]])
+    q = apply_rope(attn.q_proj(x).view(1, 1, attn.heads, -1).transpose(1, 2), pos, attn.theta)
+    k = apply_rope(attn.k_proj(x).view(1, 1, attn.kv_heads, -1).transpose(1, 2), pos, attn.theta)
+    v = attn.v_proj(x).view(1, 1, attn.kv_heads, -1).transpose(1, 2)
+    g = attn.heads // attn.kv_heads
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    keys = torch.cat([prefix_kv[0], *[a[0] for a in ancestors_kv], k], dim=2)
+    values = torch.cat([prefix_kv[1], *[a[1] for a in ancestors_kv], v], dim=2)
+    probs = torch.softmax((q @ keys.transpose(-1, -2)) / attn.head_dim**0.5, -1)
+    out = attn.o_proj((probs @ values).transpose(1, 2).reshape(1, 1, -1))[0, 0]
+    h = feature + out
+    o = h + layer.mlp(layer.post_attention_layernorm(h))
+    return head.lm_head(head.norm(o)), o, (k, v)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_unroll_equals_drafting_node_by_node(steps):
+    """Step s of the training-time test at row i is the draft node at depth s+1 under root
+    i: same inputs (true tokens, the previous step's output feature, position i+s) and
+    the same attention (prefix draft KV up to i, then its ancestors)."""
+    head = _head()
+    n = 9
+    torch.manual_seed(1)
+    embed = torch.randn(CONFIG["vocab_size"], 32)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, n))
+    aux = torch.randn(1, n, 96)
+    with torch.no_grad():
+        got = head.unroll(lambda t: embed[t], tokens, aux, steps)
+        features = head.fc(aux)[0]
+        padded = torch.nn.functional.pad(tokens[0], (0, steps + 1))
+        # first pass: every position's step-0 K/V (the prefix's draft KV)
+        prefix_k, prefix_v = [], []
+        for j in range(n):
+            _, _, (k, v) = _draft_step(
+                head, embed[padded[j + 1]], features[j], j,
+                (torch.zeros(1, 4, 0, 8), torch.zeros(1, 4, 0, 8)), [],
+            )  # fmt: skip
+            prefix_k.append(k)
+            prefix_v.append(v)
+        for i in range(n):
+            prefix = (torch.cat(prefix_k[:i], 2) if i else torch.zeros(1, 4, 0, 8),
+                      torch.cat(prefix_v[:i], 2) if i else torch.zeros(1, 4, 0, 8))  # fmt: skip
+            feature, ancestors = features[i], []
+            for s in range(steps):
+                logits, feature, kv = _draft_step(
+                    head, embed[padded[i + 1 + s]], feature, i + s, prefix, ancestors
+                )
+                ancestors.append(kv)
+                torch.testing.assert_close(got[s][0, i], logits, atol=1e-5, rtol=1e-5)
+
+
+def test_ttt_loss_masks_and_per_step_accuracy():
+    b, n, v = 2, 6, 5
+    target_logp = torch.log_softmax(torch.randn(b, n, v), -1)
+    column = target_logp.argmax(-1)
+    column[0, 2] = -1  # the target's argmax is outside the draft vocabulary: masked
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :] = False  # not assistant tokens
+    perfect = [target_logp.clone() * 50 for _ in range(2)]  # step 1 reads rows s: later
+    perfect[1] = torch.cat([perfect[1][:, 1:], perfect[1][:, :1]], 1)
+    parts = ttt_losses(perfect, target_logp, column, valid, decay=0.8)
+    assert parts["acc_1"] == 1.0 and parts["acc_2"] == 1.0
+    wrong = [-x for x in perfect]
+    parts = ttt_losses(wrong, target_logp, column, valid, decay=0.8)
+    assert parts["acc_1"] == 0.0 and parts["loss"] > 1.0
+    # a masked row cannot move the loss
+    moved = [x.clone() for x in wrong]
+    moved[0][1] += 100.0
+    moved[0][0, 2] += 100.0
+    assert torch.isclose(
+        ttt_losses(moved, target_logp, column, valid, decay=0.8)["loss"],
+        ttt_losses(wrong, target_logp, column, valid, decay=0.8)["loss"],
+    )
+
+
+def test_target_distributions_restricted_to_draft_vocab():
+    torch.manual_seed(0)
+    lm_head = torch.randn(30, 8)
+    hidden = torch.randn(11, 8)
+    draft_ids = torch.tensor([3, 7, 1, 20])
+    logp, in_vocab, column = target_distributions(hidden, lm_head, draft_ids, chunk=4)
+    full = hidden @ lm_head.T
+    torch.testing.assert_close(logp, torch.log_softmax(full[:, draft_ids], -1))
+    for r in range(11):
+        top = int(full[r].argmax())
+        assert bool(in_vocab[r]) == (top in draft_ids.tolist())
+        assert int(column[r]) == (draft_ids.tolist().index(top) if in_vocab[r] else -1)
+
+
+def test_export_is_a_speculators_checkpoint_with_d2t(tmp_path):
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    head = _head(vocab=4)
+    draft_ids = torch.tensor([9, 2, 40, 17])  # frequency order, not id order
+    export_speculators(
+        head, tmp_path, target="t", target_config={**CONFIG, "num_hidden_layers": 6},
+        aux_layers=(2, 3, 4), draft_ids=draft_ids, dtype=torch.float32,
+        speculative_tokens=3, extra={},
+    )  # fmt: skip
+    info = inspect_draft_checkpoint(str(tmp_path))
+    assert info.head_type == "eagle3" and info.speculators_format
+    assert info.aux_layer_ids == (2, 3, 4) and info.head_vocab_size == 4
+    from safetensors.torch import load_file
+
+    w = load_file(str(tmp_path / "model.safetensors"))
+    used = torch.arange(4) + w["d2t"]
+    assert used.tolist() == [2, 9, 17, 40]
+    # row i of the exported LM head scores target token used[i]
+    for i, token in enumerate(used.tolist()):
+        row = draft_ids.tolist().index(token)
+        torch.testing.assert_close(w["lm_head.weight"][i], head.lm_head.weight[row].detach())
+    assert w["t2d"].sum() == 4 and bool(w["t2d"][40])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_aux_hidden_states"] == 3
+    assert cfg["norm_before_residual"] is False
+
+
+def test_aux_layers_parsing():
+    assert parse_aux_layers("", 30) == (2, 15, 27)
+    assert parse_aux_layers("1,5,7", 30) == (1, 5, 7)
+    for bad in ("1,1,2", "0,30", "-1,2"):
+        with pytest.raises(ValueError, match="Fix"):
+            parse_aux_layers(bad, 30)
