@@ -114,12 +114,18 @@ def regenerate_conversations(
     max_turns: int = 8,
     parts_dir: Path,
     chunk: int = 256,
+    concurrency: int = 256,
 ) -> list[list[dict]]:
     """Each conversation's user turns (up to ``max_turns``) answered one turn at a time by
     the target, the dialogue so far as context; a turn whose context leaves no room for
     ``max_tokens`` within ``max_model_len`` ends its conversation there.
 
-    Resumable and add-only: each finished chunk of ``chunk`` conversations is written to
+    Streamed through one engine: ``concurrency`` conversations are in flight, and as soon
+    as a turn's answer is done the conversation's next turn is queued (or a new
+    conversation starts), so the batch stays full instead of waiting for a whole turn
+    of a chunk to end.
+
+    Resumable and add-only: every ``chunk`` finished conversations are written to
     ``parts_dir`` as one gzipped JSON-lines file (``part-<first index>.jsonl.gz``, one
     line per conversation: its index and messages; written whole, then renamed), and a
     rerun answers only conversations no part holds. Parts can be committed as they come.
@@ -132,20 +138,23 @@ def regenerate_conversations(
     done = read_parts(parts_dir)
     todo = [i for i in range(len(conversations)) if i not in done]
     if todo:
-        llm = LLM(model=str(target), dtype=dtype, enforce_eager=True,
-                  max_model_len=max_model_len, seed=seed)  # fmt: skip
+        llm = LLM(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                  seed=seed, max_num_seqs=concurrency)  # fmt: skip
         try:
-            tokenizer = llm.get_tokenizer()
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                     seed=seed if temperature else None)  # fmt: skip
-            for start in range(0, len(todo), chunk):
-                ids = todo[start : start + chunk]
-                dialogues = _answer_turns(
-                    llm, tokenizer, params, [conversations[i] for i in ids],
-                    max_turns, max_model_len - max_tokens,
-                )  # fmt: skip
-                _write_part(parts_dir, ids, dialogues)
-                done.update(zip(ids, dialogues))
+            dialogues = _DialogueStream(
+                llm, params, conversations, todo, max_turns, max_model_len - max_tokens
+            )
+            finished: list[tuple[int, list[dict]]] = []
+            for index, dialogue in dialogues.run(concurrency):
+                finished.append((index, dialogue))
+                done[index] = dialogue
+                if len(finished) == chunk:
+                    _write_part(parts_dir, finished)
+                    finished = []
+            if finished:
+                _write_part(parts_dir, finished)
         finally:
             try:
                 llm.llm_engine.engine_core.shutdown()
@@ -154,43 +163,76 @@ def regenerate_conversations(
     return [done[i] for i in range(len(conversations)) if done.get(i)]
 
 
-def _answer_turns(llm, tokenizer, params, conversations, max_turns: int, max_prompt: int):
-    users = [[m for m in conv if m["role"] == "user"][:max_turns] for conv in conversations]
-    dialogues: list[list[dict]] = [[] for _ in conversations]
-    open_rows = set(range(len(conversations)))
-    for turn in range(max_turns):
-        rows, prompts = [], []
-        for r in sorted(open_rows):
-            if turn >= len(users[r]):
-                open_rows.discard(r)
-                continue
-            messages = dialogues[r] + [users[r][turn]]
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True)  # fmt: skip
-            if len(tokenizer(text, add_special_tokens=False).input_ids) > max_prompt:
-                open_rows.discard(r)  # the dialogue no longer fits: it ends here
-                continue
-            rows.append(r)
-            prompts.append(messages)
-        if not rows:
-            break
-        outputs = llm.chat(prompts, params, use_tqdm=True)
-        for r, messages, out in zip(rows, prompts, outputs):
-            answer = out.outputs[0].text
-            if not answer.strip():
-                open_rows.discard(r)
-                continue
-            dialogues[r] = messages + [{"role": "assistant", "content": answer}]
-    return dialogues
+class _DialogueStream:
+    """Conversations answered turn by turn through ``llm.llm_engine``, ``concurrency`` at
+    a time; yields (index, dialogue) as each conversation ends."""
+
+    def __init__(self, llm, params, conversations, indices, max_turns: int, max_prompt: int):
+        self.engine = llm.llm_engine
+        self.tokenizer = llm.get_tokenizer()
+        self.params = params
+        self.max_prompt = max_prompt
+        self.users = {
+            i: [m for m in conversations[i] if m["role"] == "user"][:max_turns] for i in indices
+        }
+        self.waiting = list(reversed(indices))  # popped from the end: index order
+        self.dialogues: dict[int, list[dict]] = {}
+        self.pending: dict[str, tuple[int, list[dict]]] = {}  # request id -> (index, prompt)
+
+    def run(self, concurrency: int):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(self.users), unit="conv", desc="dialogues")
+        ended: list[int] = []
+        while self.waiting or self.pending:
+            while self.waiting and len(self.pending) < concurrency:
+                index = self.waiting.pop()
+                self.dialogues[index] = []
+                if not self._next_turn(index):
+                    ended.append(index)
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                index, prompt = self.pending.pop(out.request_id)
+                answer = out.outputs[0].text
+                if answer.strip():
+                    self.dialogues[index] = prompt + [{"role": "assistant", "content": answer}]
+                    if self._next_turn(index):
+                        continue
+                ended.append(index)
+            for index in ended:
+                bar.update(1)
+                yield index, self.dialogues.pop(index)
+            ended = []
+        bar.close()
+
+    def _next_turn(self, index: int) -> bool:
+        """Queue the conversation's next user turn; False when it has none (or it no
+        longer fits), i.e. the conversation ended."""
+        dialogue = self.dialogues[index]
+        turn = len(dialogue) // 2
+        if turn >= len(self.users[index]):
+            return False
+        messages = dialogue + [self.users[index][turn]]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)  # fmt: skip
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > self.max_prompt:
+            return False  # the dialogue no longer fits: it ends here
+        request_id = f"{index}-{turn}"
+        self.engine.add_request(request_id, {"prompt_token_ids": ids}, self.params)
+        self.pending[request_id] = (index, messages)
+        return True
 
 
-def _write_part(parts_dir: Path, ids: list[int], dialogues: list[list[dict]]) -> None:
+def _write_part(parts_dir: Path, rows: list[tuple[int, list[dict]]]) -> None:
     import gzip
 
-    final = parts_dir / f"part-{ids[0]:07d}.jsonl.gz"
+    rows = sorted(rows)
+    final = parts_dir / f"part-{rows[0][0]:07d}.jsonl.gz"
     tmp = final.with_suffix(".tmp")
     with gzip.open(tmp, "wt") as f:
-        f.writelines(json.dumps({"index": i, "messages": d}) + "\n" for i, d in zip(ids, dialogues))
+        f.writelines(json.dumps({"index": i, "messages": d}) + "\n" for i, d in rows)
     tmp.rename(final)
 
 
