@@ -38,10 +38,9 @@ def _generate(llm, adapters):
     )
 
 
-def test_lora_greedy_equals_vanilla(tiny, adapters):
+@pytest.fixture(scope="module")
+def lora_vanilla(tiny, adapters):
     import vllm
-
-    from eagle_vllm import LLM
 
     llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW, **LORA_KW)
     want = _generate(llm, adapters)
@@ -49,11 +48,27 @@ def test_lora_greedy_equals_vanilla(tiny, adapters):
     with_lora, base = want
     # the adapters change the outputs (else this test would prove nothing)
     assert with_lora[0] != base[0] and with_lora[1] != base[1]
-    spec = {"method": "eagle2", "model": str(tiny["draft_noisy"]), "num_speculative_tokens": 3,
+    return want
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_lora_greedy_equals_vanilla(tiny, adapters, lora_vanilla, head, tmp_path):
+    """EAGLE-3: the auxiliary features come from the adapted target forward, the draft
+    embeds with the base embedding (vLLM wraps the shared one for LoRA)."""
+    from tiny_models import build_eagle3_draft
+
+    from eagle_vllm import LLM
+
+    draft = (
+        tiny["draft_noisy"]
+        if head == "eagle1"
+        else build_eagle3_draft(tmp_path / "e3", tiny["target_oracle"], kind="oracle2")
+    )
+    spec = {"method": "eagle2", "model": str(draft), "num_speculative_tokens": 3,
             "topk": 3, "total_tokens": 8}  # fmt: skip
     llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW, **LORA_KW)
     got = _generate(llm, adapters)
     metrics = spec_metrics(llm)
     shutdown(llm)
-    assert got == want
+    assert got == lora_vanilla
     assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0

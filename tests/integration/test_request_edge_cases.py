@@ -227,7 +227,7 @@ def test_guided_json_equals_vanilla(tmp_path):
     import json
 
     import vllm
-    from tiny_models import build_draft, build_target
+    from tiny_models import build_draft, build_eagle3_draft, build_target
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -236,6 +236,8 @@ def test_guided_json_equals_vanilla(tmp_path):
     target = build_target(tmp_path / "t", oracle=True, context=0.002, extra_tokens=JSON_TOKENS)
     oracle = build_target(tmp_path / "o", oracle=True, extra_tokens=JSON_TOKENS)
     draft = build_draft(tmp_path / "d", oracle, kind="oracle", noise=0.002, attn_noise=0.03)
+    # an EAGLE-3 head too: its drafts are cut by the grammar like any other
+    draft3 = build_eagle3_draft(tmp_path / "d3", oracle, kind="oracle2")
     params = SamplingParams(
         max_tokens=40,
         temperature=0,
@@ -246,13 +248,15 @@ def test_guided_json_equals_vanilla(tmp_path):
         lambda: vllm.LLM(str(target), **ENGINE_KW),
         lambda: LLM(str(target), speculative_config={"method": "eagle2", "model": str(draft),
                     "num_speculative_tokens": 3, "topk": 3, "total_tokens": 8}, **ENGINE_KW),
+        lambda: LLM(str(target), speculative_config={"method": "eagle2", "model": str(draft3),
+                    "num_speculative_tokens": 3, "topk": 3, "total_tokens": 8}, **ENGINE_KW),
     ):  # fmt: skip
         llm = build()
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         tok = llm.get_tokenizer()
         results.append([(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs])
         shutdown(llm)
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     parsed = 0
     for token_ids, finish in results[1]:
         text = "".join(tok.convert_ids_to_tokens(token_ids)).removesuffix("</s>")
