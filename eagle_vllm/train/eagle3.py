@@ -20,8 +20,11 @@ from. The tokens are the true ones (a drafted node only matters if it was right)
 **Loss** per step: soft cross-entropy against the target's distribution restricted to
 the draft vocabulary (log-softmax over those logits), at positions whose target argmax
 lies in the draft vocabulary (SafeAILab's mask) and whose input token is an assistant
-token; steps weighted ``decay**s``. Optional extras (``--ttt-topk-weight``): a HASS-style
-term, the same cross-entropy over the target's top-K tokens only.
+token; steps weighted ``decay**s``. Optional extras, off by default: a HASS-style term
+(``--ttt-topk-weight``), the same cross-entropy over the target's top-K tokens only; a
+feature term (``--ttt-feature-weight``), SmoothL1 between the head's normed output and the
+target's last hidden state at that position; ``--ttt-freeze-lm-head`` keeps the LM head at
+the target's rows (cheaper steps).
 
 **Export**: a ``speculators``-format folder (``config.json`` with
 ``speculators_model_type: eagle3``; ``model.safetensors`` with ``fc``, ``layers.0.*``,
@@ -125,20 +128,24 @@ class Eagle3Head(nn.Module):
         layer.self_attn.o_proj.weight.data.mul_(1 / math.sqrt(2))
         layer.mlp.down_proj.weight.data.mul_(1 / math.sqrt(2))
 
-    def unroll(self, embeds_of, tokens: torch.Tensor, aux: torch.Tensor, steps: int):
+    def unroll(self, embeds_of, tokens: torch.Tensor, aux: torch.Tensor, steps: int,
+               with_hidden: bool = False):  # fmt: skip
         """Training-time test over ``tokens [B, L]`` and features ``aux [B, L, nH]``:
-        ``steps`` logits ``[B, L, V']``; step s at row i predicts token i+2+s."""
+        ``steps`` logits ``[B, L, V']``; step s at row i predicts token i+2+s. With
+        ``with_hidden``, also each step's normed output ``[B, L, H]`` (what the LM head reads)."""
         b, n = tokens.shape
         features = self.fc(aux)
         base = torch.arange(n, device=tokens.device)[None, :].expand(b, n)
         padded = F.pad(tokens, (0, steps + 1))
         cache: list = []
-        out = []
+        out, hidden = [], []
         for s in range(steps):
             embeds = embeds_of(padded[:, 1 + s : 1 + s + n])
             features = self.layers[0](embeds, features, base + s, cache)
-            out.append(self.lm_head(self.norm(features)))
-        return out
+            normed = self.norm(features)
+            out.append(self.lm_head(normed))
+            hidden.append(normed)
+        return (out, hidden) if with_hidden else out
 
 
 def target_distributions(
@@ -168,11 +175,16 @@ def ttt_losses(
     decay: float,
     topk: int = 0,
     topk_weight: float = 0.0,
+    hidden: list[torch.Tensor] | None = None,
+    target_hidden: torch.Tensor | None = None,
+    feature_weight: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Loss and per-step top-1 agreement. ``logits[s] [B, L, V']``; ``target_logp``
     ``[B, L, V']`` and ``target_column [B, L]`` at the position whose next token step 0
     predicts (row i -> position i+1); ``valid [B, L]``: rows whose input token at step 0
-    is an assistant token. Step s reads the targets and validity s rows further."""
+    is an assistant token. Step s reads the targets and validity s rows further.
+    ``feature_weight`` adds SmoothL1 between each step's normed output ``hidden[s]`` and
+    the target's last hidden state there ``target_hidden [B, L, H]`` (a feature term)."""
     n = target_logp.shape[1]
     total = logits[0].new_zeros(())
     parts: dict[str, torch.Tensor] = {}
@@ -192,6 +204,10 @@ def ttt_losses(
             top = tgt[sel].topk(topk, dim=-1).indices
             p_top = tgt[sel].gather(-1, top).exp()
             loss = loss + topk_weight * -(p_top * logp[sel].gather(-1, top)).sum(-1).mean()
+        if feature_weight and hidden is not None and target_hidden is not None:
+            mine = hidden[s][:, :rows][sel].float()
+            theirs = target_hidden[:, s:][sel].float()
+            loss = loss + feature_weight * F.smooth_l1_loss(mine, theirs)
         total = total + decay**s * loss
         weight_sum += decay**s
         with torch.no_grad():
@@ -348,6 +364,8 @@ class Eagle3Trainer(Trainer):
         head = Eagle3Head(self.target_config, len(self.aux_layers), len(self.vocab_ids))
         with torch.no_grad():  # start from the target's own LM-head rows
             head.lm_head.weight.copy_(self.lm_head)
+        # frozen: the target's rows stay (a third of the LM head's GEMMs saved per step)
+        head.lm_head.weight.requires_grad_(not self.cfg.ttt_freeze_lm_head)
         return head
 
     def _losses(self, indices: list[int], examples: list[Example], train: bool):
@@ -360,10 +378,14 @@ class Eagle3Trainer(Trainer):
             last[:, 1:].reshape(-1, last.shape[-1]), self.target_lm_head, self.vocab_ids
         )
         logp, column = logp.view(b, n - 1, -1), column.view(b, n - 1)
-        logits = self.model.unroll(lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps)
+        logits, hidden = self.model.unroll(
+            lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps, with_hidden=True
+        )
         return ttt_losses(
             [x[:, : n - 1] for x in logits], logp, column, mask[:, 1:],
             decay=self.cfg.ttt_decay, topk=self.cfg.ttt_topk, topk_weight=self.cfg.ttt_topk_weight,
+            hidden=[h[:, : n - 1] for h in hidden], target_hidden=last[:, 1:],
+            feature_weight=self.cfg.ttt_feature_weight,
         )  # fmt: skip
 
     def export(self, dtype: str = "bfloat16") -> Path:

@@ -66,12 +66,15 @@ class TrainConfig:
     max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this
     seed: int = 0
     # EAGLE-3 (--arch eagle3, train/eagle3.py): unrolled steps of the training-time test,
-    # their loss decay, target layers ("" = 2, L/2, L-3), an optional HASS-style top-K term
+    # their loss decay, target layers ("" = 2, L/2, L-3), optional HASS-style top-K and
+    # feature terms, a frozen LM head
     ttt_steps: int = 5
     ttt_decay: float = 0.8
     aux_layers: str = ""
     ttt_topk: int = 10
     ttt_topk_weight: float = 0.0
+    ttt_feature_weight: float = 0.0
+    ttt_freeze_lm_head: bool = False
 
 
 def load_target_embeddings(target: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -168,3 +168,58 @@ def test_aux_layers_parsing():
     for bad in ("1,1,2", "0,30", "-1,2"):
         with pytest.raises(ValueError, match="Fix"):
             parse_aux_layers(bad, 30)
+
+
+def test_feature_term_is_zero_at_the_target_and_positive_elsewhere():
+    b, n, v, h = 2, 5, 4, 8
+    torch.manual_seed(0)
+    target_logp = torch.log_softmax(torch.randn(b, n, v), -1)
+    column = target_logp.argmax(-1)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    logits = [torch.randn(b, n, v), torch.randn(b, n, v)]
+    target_hidden = torch.randn(b, n, h)
+    same = [target_hidden.clone(), torch.cat([target_hidden[:, 1:], target_hidden[:, :1]], 1)]
+    kw = dict(decay=0.8, target_hidden=target_hidden)
+    plain = ttt_losses(logits, target_logp, column, valid, decay=0.8)["loss"]
+    at_target = ttt_losses(
+        logits, target_logp, column, valid, hidden=same, feature_weight=1.0, **kw
+    )
+    away = [x + 1.0 for x in same]
+    off = ttt_losses(logits, target_logp, column, valid, hidden=away, feature_weight=1.0, **kw)
+    assert torch.isclose(at_target["loss"], plain)
+    assert off["loss"] > plain + 0.4
+
+
+def test_trainer_with_frozen_lm_head_trains_the_rest(tmp_path):
+    """Two steps of Eagle3Trainer on synthetic features of a tiny target: the LM head keeps
+    the target's rows when frozen, every other parameter moves; the loss is finite."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.features import Example
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    examples = [
+        Example(
+            input_ids=torch.randint(4, 250, (30,), generator=gen),
+            loss_mask=torch.ones(30, dtype=torch.bool),
+            hidden=torch.randn(30, hidden, generator=gen),
+            aux=torch.randn(30, 2 * hidden, generator=gen),
+        )
+        for _ in range(12)
+    ]
+    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
+                      ttt_steps=2, ttt_freeze_lm_head=True, ttt_feature_weight=0.1,
+                      eval_every=2, save_every=2, log_every=1, noise="none")  # fmt: skip
+    trainer = Eagle3Trainer(target, examples, tmp_path / "out", cfg, (0, 1))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    last = trainer.fit(progress=False)
+    after = trainer.model.state_dict()
+    assert torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+    assert torch.equal(after["lm_head.weight"], trainer.lm_head)  # the target's rows
+    moved = [k for k in before if k != "lm_head.weight" and not torch.equal(before[k], after[k])]
+    assert "fc.weight" in moved and "layers.0.self_attn.q_proj.weight" in moved
+    assert torch.isfinite(torch.tensor(last["loss"])) and "val_acc_2" in last
