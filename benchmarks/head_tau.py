@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import load_prompts  # noqa: E402
+from common import load_prompts, spec_counters, tau  # noqa: E402
 
 SHAPES = {  # name -> (method, depth, topk, total_tokens)
     "chain3": ("eagle", 3, 1, 4),
@@ -74,14 +74,10 @@ def run_worker(args) -> None:
     for prompt in prompts:
         tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
     seconds = time.perf_counter() - start
-    counters = {
-        m.name.removeprefix("vllm:spec_decode_"): (m.values if hasattr(m, "values") else m.value)
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode")
-    }
+    counters = spec_counters(llm)
     drafts = counters.get("num_drafts", 0)
     row = {
-        "tau": 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else 1.0,
+        "tau": tau(counters) or 1.0,
         "per_depth": [x / drafts for x in counters.get("num_accepted_tokens_per_pos", [])]
         if drafts
         else [],

@@ -470,8 +470,9 @@ class EagleCPUModelRunner(CPUModelRunner):
         dst = tb.flat_rows()[valid]
         perm = torch.arange(hidden_states.shape[0])
         perm[dst] = src
-        hidden_states = hidden_states[perm]
-        if aux_hidden_states is not None:
+        if aux_hidden_states is None:
+            hidden_states = hidden_states[perm]
+        else:  # EAGLE-3: the drafter reads the auxiliary layers only
             aux_hidden_states = [h[perm] for h in aux_hidden_states]
         input_ids = vs.step_input_ids(self)
         input_ids[dst] = input_ids[src].clone()

@@ -125,30 +125,20 @@ def run(args: argparse.Namespace) -> Path:
         convs = [json.loads(line) for line in conv_file.read_text().splitlines()]
     else:
         convs = _conversations(args)
+        regen = dict(max_tokens=args.regen_max_tokens, temperature=args.regen_temperature,
+                     seed=args.seed, dtype=args.regen_dtype)  # fmt: skip
         if args.regenerate and args.regenerate_turns == "all":
             from eagle_vllm.train.regenerate import regenerate_conversations
 
             convs = regenerate_conversations(
-                args.target,
-                convs,
-                max_tokens=args.regen_max_tokens,
-                temperature=args.regen_temperature,
-                seed=args.seed,
-                dtype=args.regen_dtype,
-                max_turns=args.regen_max_turns,
-                parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
-            )
+                args.target, convs, max_turns=args.regen_max_turns,
+                parts_dir=Path(args.regen_parts_dir or out / "dialogues"), **regen,
+            )  # fmt: skip
         elif args.regenerate:
             from eagle_vllm.train.regenerate import regenerate_answers
 
             convs = regenerate_answers(
-                args.target,
-                convs,
-                max_tokens=args.regen_max_tokens,
-                temperature=args.regen_temperature,
-                seed=args.seed,
-                dtype=args.regen_dtype,
-                progress_file=out / "conversations.partial.jsonl",
+                args.target, convs, progress_file=out / "conversations.partial.jsonl", **regen
             )
         conv_file.write_text("".join(json.dumps(c) + "\n" for c in convs))
     if args.regenerate_only:
