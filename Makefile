@@ -139,9 +139,8 @@ regen-data:
 # fp32 (faster than bf16 on CPUs without AVX-512 BF16), up to 320 tokens per answer.
 # Finished chunks of 256 conversations land in $(TURNS_DATA) as gzipped parts, committed as
 # they come; a rerun answers only the conversations no part holds (stop it any time, or
-# pause it with kill -STOP / -CONT while benchmarks or CI run). About 290 conversations an
-# hour on 2 cores shared with other work (1.5 answered turns and 570 tokens a conversation:
-# later turns often do not fit 2048 - 320 prompt tokens). Train on them with
+# pause it with kill -STOP / -CONT while benchmarks or CI run; the progress bar shows the
+# rate). Later turns that do not fit 2048 - 320 prompt tokens end a dialogue. Train on them with
 # `eagle-vllm train ... --regenerate --regenerate-turns all --regen-parts-dir $(TURNS_DATA)`
 # (the same selection flags): finished parts are read, not regenerated.
 TURNS_DATA := data/regen-sharegpt-turns
