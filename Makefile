@@ -88,7 +88,7 @@ reference-head:
 	test -f $(REF_HEAD)/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl $(REF_HEAD)/
 	for steps in $(REF_HEAD_STEPS); do { \
-	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REF_HEAD) \
 		--data sharegpt --num-conversations 4736 --max-len 1024 \
@@ -118,13 +118,16 @@ ablation-head:
 # chunk there and copies the file back (commit it). About 45-50 prompts a minute on 2
 # cores with nothing else running.
 REGEN_DATA := data/regen-sharegpt-0-6000
+# vLLM's KV space for the regeneration runs (GiB): it must fit the free memory of NUMA node 0,
+# which vLLM checks, not the machine's total.
+REGEN_KV_GIB ?= 5
 REGEN_OUT := artifacts/regen-sharegpt-0-6000
 regen-data:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	mkdir -p $(REGEN_OUT)
 	test -f $(REGEN_OUT)/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl $(REGEN_OUT)/
-	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REGEN_OUT) \
 		--data sharegpt --num-conversations 6000 --max-len 1024 --regenerate \
@@ -147,7 +150,7 @@ TURNS_DATA := data/regen-sharegpt-turns
 regen-data-turns:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	mkdir -p artifacts
-	VLLM_CPU_KVCACHE_SPACE=8 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
 		--out artifacts/regen-sharegpt-turns \

@@ -71,20 +71,27 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         cache.append((k, v))
-        scale = 1 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        scores = (q @ k0.transpose(-1, -2)) * scale  # [b, h, n, n]: step 0, causal
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]  # [b, h, n, 1]
-        probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :n] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., n + j : n + j + 1] * vj
+        steps = len(cache) - 1
+        if steps == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # step 0's keys causally, then the row's own key at each later step: one fused
+            # attention over the concatenated keys (no [n, n] score tensors kept for backward)
+            keys = torch.cat([kv[0] for kv in cache], dim=2)
+            values = torch.cat([kv[1] for kv in cache], dim=2)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=ttt_attention_mask(n, steps, x.device), enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def ttt_attention_mask(n: int, steps: int, device=None) -> torch.Tensor:
+    """``[n, n * (steps + 1)]``: row i sees step 0's keys at positions <= i and, in each
+    later step's block, only its own key (its ancestors in the draft tree)."""
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal, *[eye] * steps], dim=1)
 
 
 class Eagle3Layer(nn.Module):
@@ -133,37 +140,65 @@ class Eagle3Head(nn.Module):
         """Training-time test over ``tokens [B, L]`` and features ``aux [B, L, nH]``:
         ``steps`` logits ``[B, L, V']``; step s at row i predicts token i+2+s. With
         ``with_hidden``, also each step's normed output ``[B, L, H]`` (what the LM head reads)."""
+        hidden = self.unroll_outputs(embeds_of, tokens, aux, steps)
+        out = [self.lm_head(h) for h in hidden]
+        return (out, hidden) if with_hidden else out
+
+    def unroll_outputs(self, embeds_of, tokens: torch.Tensor, aux: torch.Tensor,
+                       steps: int) -> list[torch.Tensor]:  # fmt: skip
+        """Each unrolled step's normed output ``[B, L, H]``, before the LM head (the
+        trainer applies the head to the loss rows only)."""
         b, n = tokens.shape
         features = self.fc(aux)
         base = torch.arange(n, device=tokens.device)[None, :].expand(b, n)
         padded = F.pad(tokens, (0, steps + 1))
         cache: list = []
-        out, hidden = [], []
+        hidden = []
         for s in range(steps):
             embeds = embeds_of(padded[:, 1 + s : 1 + s + n])
             features = self.layers[0](embeds, features, base + s, cache)
-            normed = self.norm(features)
-            out.append(self.lm_head(normed))
-            hidden.append(normed)
-        return (out, hidden) if with_hidden else out
+            hidden.append(self.norm(features))
+        return hidden
 
 
 def target_distributions(
-    last_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 1024
+    last_hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    draft_ids: torch.Tensor,
+    chunk: int = 1024,
+    argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per position of ``last_hidden [N, H]``: the target's log-probabilities restricted
     to the draft vocabulary (renormalised there) ``[N, V']``, whether the target's argmax
-    lies in the draft vocabulary ``[N]``, and that argmax's draft column (-1 if not)."""
+    lies in the draft vocabulary ``[N]``, and that argmax's draft column (-1 if not).
+
+    ``argmax [N]``: the target's full-vocabulary argmax there, if known (see
+    :func:`target_argmax`); then only the draft vocabulary's rows of the LM head are used,
+    V/V' times fewer multiply-adds."""
     in_vocab = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
     in_vocab[draft_ids] = torch.arange(len(draft_ids))
+    draft_head = lm_head[draft_ids] if argmax is not None else None
     logps, columns = [], []
     for start in range(0, last_hidden.shape[0], chunk):
         h = last_hidden[start : start + chunk].float()
+        if draft_head is not None:
+            columns.append(in_vocab[argmax[start : start + chunk]])
+            logps.append(torch.log_softmax(h @ draft_head.T, dim=-1))
+            continue
         full = h @ lm_head.T
         columns.append(in_vocab[full.argmax(-1)])
         logps.append(torch.log_softmax(full[:, draft_ids], dim=-1))
     column = torch.cat(columns)
     return torch.cat(logps), column >= 0, column
+
+
+@torch.no_grad()
+def target_argmax(last_hidden: torch.Tensor, lm_head: torch.Tensor, chunk: int = 1024):
+    """The target's full-vocabulary argmax for each row of ``last_hidden [N, H]``."""
+    return torch.cat([
+        (last_hidden[start : start + chunk].float() @ lm_head.T).argmax(-1)
+        for start in range(0, last_hidden.shape[0], chunk)
+    ]) if len(last_hidden) else torch.zeros(0, dtype=torch.int64)  # fmt: skip
 
 
 def ttt_losses(
@@ -184,34 +219,62 @@ def ttt_losses(
     predicts (row i -> position i+1); ``valid [B, L]``: rows whose input token at step 0
     is an assistant token. Step s reads the targets and validity s rows further.
     ``feature_weight`` adds SmoothL1 between each step's normed output ``hidden[s]`` and
-    the target's last hidden state there ``target_hidden [B, L, H]`` (a feature term)."""
-    n = target_logp.shape[1]
-    total = logits[0].new_zeros(())
+    the target's last hidden state there ``target_hidden [B, L, H]`` (a feature term).
+
+    The dense form of :func:`ttt_row_losses` (which the trainer uses, on the loss rows only)."""
+    rows = (valid & (target_column >= 0)).nonzero(as_tuple=True)
+    return ttt_row_losses(
+        logits, lambda x: x, rows, target_logp[rows], target_column[rows], decay=decay,
+        topk=topk, topk_weight=topk_weight, hidden=hidden,
+        target_hidden=None if target_hidden is None else target_hidden[rows],
+        feature_weight=feature_weight,
+    )  # fmt: skip
+
+
+def ttt_row_losses(
+    outputs: list[torch.Tensor],
+    project,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    target_logp: torch.Tensor,
+    target_column: torch.Tensor,
+    *,
+    decay: float,
+    topk: int = 0,
+    topk_weight: float = 0.0,
+    hidden: list[torch.Tensor] | None = None,
+    target_hidden: torch.Tensor | None = None,
+    feature_weight: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """The training-time-test loss on the loss rows only. ``rows = (batch, j)``: the M
+    target rows with a loss (assistant input token, target argmax in the draft vocabulary);
+    ``target_logp [M, V']``, ``target_column [M]`` (and ``target_hidden [M, H]``) there.
+    Step s scores row j from its output at row j - s: ``project(outputs[s][b, j - s])``
+    gives the logits, so the LM head and the softmax run on M rows per step, not on every
+    position of the batch."""
+    batch, j = rows
+    total = target_logp.new_zeros(())
     parts: dict[str, torch.Tensor] = {}
     weight_sum = 0.0
-    for s, step_logits in enumerate(logits):
-        rows = n - s  # row i of step s reads target row i + s
-        tgt = target_logp[:, s:]
-        col = target_column[:, s:]
-        mask = valid[:, s:] & (col >= 0)
-        logp = torch.log_softmax(step_logits[:, :rows].float(), dim=-1)
-        sel = mask.nonzero(as_tuple=True)
-        if sel[0].numel() == 0:
+    for s, out in enumerate(outputs):
+        keep = j >= s
+        if not bool(keep.any()):
             continue
-        ce = -(tgt[sel].exp() * logp[sel]).sum(-1).mean()
+        at = (batch[keep], j[keep] - s)
+        logp = torch.log_softmax(project(out[at]).float(), dim=-1)
+        tgt, col = target_logp[keep], target_column[keep]
+        ce = -(tgt.exp() * logp).sum(-1).mean()
         loss = ce
         if topk and topk_weight:
-            top = tgt[sel].topk(topk, dim=-1).indices
-            p_top = tgt[sel].gather(-1, top).exp()
-            loss = loss + topk_weight * -(p_top * logp[sel].gather(-1, top)).sum(-1).mean()
+            top = tgt.topk(topk, dim=-1).indices
+            p_top = tgt.gather(-1, top).exp()
+            loss = loss + topk_weight * -(p_top * logp.gather(-1, top)).sum(-1).mean()
         if feature_weight and hidden is not None and target_hidden is not None:
-            mine = hidden[s][:, :rows][sel].float()
-            theirs = target_hidden[:, s:][sel].float()
-            loss = loss + feature_weight * F.smooth_l1_loss(mine, theirs)
+            mine = hidden[s][at].float()
+            loss = loss + feature_weight * F.smooth_l1_loss(mine, target_hidden[keep].float())
         total = total + decay**s * loss
         weight_sum += decay**s
         with torch.no_grad():
-            parts[f"acc_{s + 1}"] = (logp[sel].argmax(-1) == col[sel]).float().mean()
+            parts[f"acc_{s + 1}"] = (logp.argmax(-1) == col).float().mean()
             parts[f"ce_{s + 1}"] = ce.detach()
     parts["loss"] = total / max(weight_sum, 1e-9)
     parts["acc"] = parts.get("acc_1", total.new_zeros(()))
@@ -370,23 +433,38 @@ class Eagle3Trainer(Trainer):
 
     def _losses(self, indices: list[int], examples: list[Example], train: bool):
         ids, mask, aux, last = collate_eagle3(examples, indices)
-        b, n = ids.shape
         if train:
             aux = feature_noise(aux, self.cfg.noise, self.cfg.noise_scale)
-        # step 0 row i predicts token i+2 from the target's distribution at position i+1
-        logp, _, column = target_distributions(
-            last[:, 1:].reshape(-1, last.shape[-1]), self.target_lm_head, self.vocab_ids
-        )
-        logp, column = logp.view(b, n - 1, -1), column.view(b, n - 1)
-        logits, hidden = self.model.unroll(
-            lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps, with_hidden=True
-        )
-        return ttt_losses(
-            [x[:, : n - 1] for x in logits], logp, column, mask[:, 1:],
-            decay=self.cfg.ttt_decay, topk=self.cfg.ttt_topk, topk_weight=self.cfg.ttt_topk_weight,
-            hidden=[h[:, : n - 1] for h in hidden], target_hidden=last[:, 1:],
+        # loss row j: input token t_{j+1} is an assistant token; step 0 predicts t_{j+2} from
+        # the target's distribution at position j+1. The target's LM head, the draft's and the
+        # softmaxes run on these rows only (prompt and padding rows only feed attention).
+        vb, vj = mask[:, 1:].nonzero(as_tuple=True)
+        target_last = last[:, 1:][vb, vj]
+        logp, in_vocab, column = target_distributions(
+            target_last, self.target_lm_head, self.vocab_ids,
+            argmax=torch.cat([self._target_argmax(examples[i]) for i in indices]),
+        )  # fmt: skip
+        outputs = self.model.unroll_outputs(lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps)
+        feature_term = bool(self.cfg.ttt_feature_weight)
+        return ttt_row_losses(
+            outputs, self.model.lm_head, (vb[in_vocab], vj[in_vocab]), logp[in_vocab],
+            column[in_vocab], decay=self.cfg.ttt_decay, topk=self.cfg.ttt_topk,
+            topk_weight=self.cfg.ttt_topk_weight, hidden=outputs if feature_term else None,
+            target_hidden=target_last[in_vocab] if feature_term else None,
             feature_weight=self.cfg.ttt_feature_weight,
         )  # fmt: skip
+
+    def _target_argmax(self, example: Example) -> torch.Tensor:
+        """The target's full-vocabulary argmax at the example's loss rows (positions 1.. with
+        an assistant token), in row order. Computed on first use and kept on the example:
+        every later epoch then needs only the draft vocabulary's rows of the LM head."""
+        if example.target_argmax is None:
+            rows = example.loss_mask.clone()
+            rows[0] = False
+            argmax = torch.full((len(rows),), -1, dtype=torch.int32)
+            argmax[rows] = target_argmax(example.hidden[rows], self.target_lm_head).int()
+            example.target_argmax = argmax
+        return example.target_argmax[1:][example.loss_mask[1:]].long()
 
     def export(self, dtype: str = "bfloat16") -> Path:
         from dataclasses import asdict

@@ -36,6 +36,9 @@ class Example:
     loss_mask: torch.Tensor  # [L] bool
     hidden: torch.Tensor  # [L, H] target features
     aux: torch.Tensor | None = None  # [L, n*H] inputs of the EAGLE-3 layers (None: EAGLE-1)
+    # [L] the target's full-vocabulary argmax after each position, where the loss reads it
+    # (filled on first use by the EAGLE-3 trainer; -1 where not computed)
+    target_argmax: torch.Tensor | None = None
 
 
 def load_target(target: str | Path, dtype: str = "bfloat16"):

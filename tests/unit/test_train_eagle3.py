@@ -132,6 +132,10 @@ def test_target_distributions_restricted_to_draft_vocab():
         top = int(full[r].argmax())
         assert bool(in_vocab[r]) == (top in draft_ids.tolist())
         assert int(column[r]) == (draft_ids.tolist().index(top) if in_vocab[r] else -1)
+    # with the full-vocabulary argmax known, only the draft rows are multiplied: same result
+    known = target_distributions(hidden, lm_head, draft_ids, chunk=4, argmax=full.argmax(-1))
+    for got, want in zip(known, (logp, in_vocab, column)):
+        torch.testing.assert_close(got, want)
 
 
 def test_export_is_a_speculators_checkpoint_with_d2t(tmp_path):
@@ -223,3 +227,51 @@ def test_trainer_with_frozen_lm_head_trains_the_rest(tmp_path):
     moved = [k for k in before if k != "lm_head.weight" and not torch.equal(before[k], after[k])]
     assert "fc.weight" in moved and "layers.0.self_attn.q_proj.weight" in moved
     assert torch.isfinite(torch.tensor(last["loss"])) and "val_acc_2" in last
+
+
+def test_trainer_row_losses_equal_the_dense_loss(tmp_path):
+    """The trainer runs both LM heads and the softmaxes on the loss rows only; the loss,
+    its gradient and the per-step accuracies equal the dense form (every position scored,
+    prompt and padding rows masked afterwards) on a batch with prompts and padding."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer, collate_eagle3
+    from eagle_vllm.train.features import Example
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for n, prompt in ((30, 9), (17, 4), (24, 12)):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[prompt:] = True
+        examples.append(Example(torch.randint(4, 250, (n,), generator=gen), mask,
+                                torch.randn(n, hidden, generator=gen),
+                                torch.randn(n, 2 * hidden, generator=gen)))  # fmt: skip
+    cfg = TrainConfig(ce_vocab=64, ttt_steps=3, ttt_feature_weight=0.3, ttt_topk=4,
+                      ttt_topk_weight=0.5, noise="none")  # fmt: skip
+    trainer = Eagle3Trainer(target, examples, tmp_path / "out", cfg, (0, 1))
+    trainer.model.lm_head.weight.data.normal_(0, 0.5)  # disagree with the target somewhere
+    batch = [0, 1, 2]
+    rows = trainer._losses(batch, examples, train=True)
+    rows["loss"].backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad()
+
+    ids, mask, aux, last = collate_eagle3(examples, batch)
+    b, n = ids.shape
+    logp, _, column = target_distributions(
+        last[:, 1:].reshape(-1, last.shape[-1]), trainer.target_lm_head, trainer.vocab_ids
+    )
+    logits, outs = trainer.model.unroll(lambda t: trainer.embed[t], ids, aux, 3, with_hidden=True)
+    dense = ttt_losses(
+        [x[:, : n - 1] for x in logits], logp.view(b, n - 1, -1), column.view(b, n - 1),
+        mask[:, 1:], decay=cfg.ttt_decay, topk=4, topk_weight=0.5,
+        hidden=[h[:, : n - 1] for h in outs], target_hidden=last[:, 1:], feature_weight=0.3,
+    )  # fmt: skip
+    dense["loss"].backward()
+    for key in ("loss", "acc_1", "acc_2", "acc_3", "ce_3"):
+        torch.testing.assert_close(rows[key], dense[key])
+    for k, p in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
