@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head ablation-head regen-data regen-data-turns
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle3-head ablation-head regen-data regen-data-turns
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,26 @@ reference-head:
 		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
 	done
 
+# The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3): the EAGLE-1 reference
+# head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
+# layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
+# vocabulary (97% of the answers' tokens), E3_HEAD_STEPS steps of 4096 tokens. Exported in
+# the speculators format. About 45 minutes of feature extraction and 60 of training on 2
+# cores (benchmarks/train_cost.py: the cost of each lever). Resumable.
+E3_HEAD := heads/smollm2-135m-instruct-eagle3
+E3_HEAD_STEPS := 1400
+eagle3-head:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	mkdir -p $(E3_HEAD)
+	test -f $(E3_HEAD)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(E3_HEAD)/
+	$(VENV)/bin/eagle-vllm train --arch eagle3 --target models/SmolLM2-135M-Instruct \
+		--out $(E3_HEAD) --data sharegpt --num-conversations 4736 --max-len 1024 \
+		--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
+		--ttt-steps 3 --ce-vocab 8192 --max-steps $(E3_HEAD_STEPS) --lr 6e-4 \
+		--warmup-steps 50 --tokens-per-batch 4096 --noise none \
+		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(E3_HEAD).log
+
 # The noise ablation: the first reference head's recipe (ShareGPT's own answers, 1000
 # conversations, 600 steps) without feature noise (train with 1 thread so it can run
 # beside other work). Its comparison, in the README, is against that first head.
@@ -155,6 +175,6 @@ regen-data-turns:
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
 		--out artifacts/regen-sharegpt-turns \
 		--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
-		--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) \
+		--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) --regen-chunk 64 \
 		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
 		2>&1 | tee -a artifacts/regen-sharegpt-turns.log

@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--regenerate-turns all: folder of finished chunks (default OUT/dialogues)",
     )
+    p.add_argument(
+        "--regen-chunk",
+        type=int,
+        default=256,
+        help="--regenerate-turns all: conversations per part written (what a stop can lose)",
+    )
     p.add_argument("--regen-max-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
     p.add_argument(
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> Path:
 
             convs = regenerate_conversations(
                 args.target, convs, max_turns=args.regen_max_turns,
-                parts_dir=Path(args.regen_parts_dir or out / "dialogues"), **regen,
+                parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
+                chunk=args.regen_chunk, **regen,
             )  # fmt: skip
         elif args.regenerate:
             from eagle_vllm.train.regenerate import regenerate_answers

@@ -35,48 +35,48 @@ def regenerate_answers(
     (one JSON line per prompt: its index and answer), and a rerun starts after the
     last chunk written, so a regeneration of hours can be stopped and resumed.
     """
-    from vllm import LLM, SamplingParams
+    from transformers import AutoTokenizer
 
-    llm = LLM(
-        model=str(target), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed
-    )
-    try:
-        tokenizer = llm.get_tokenizer()
-        firsts, kept = [], []
-        for conv in conversations:
-            # text first: transformers 5 returns a BatchEncoding (not ids) when tokenizing
-            text = tokenizer.apply_chat_template(
-                conv[:1], tokenize=False, add_generation_prompt=True
-            )
-            prompt_len = len(tokenizer(text, add_special_tokens=False).input_ids)
-            if prompt_len + 8 < max_model_len:
-                firsts.append(conv[:1])
-                kept.append(conv)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    firsts, kept = [], []
+    for conv in conversations:
+        # text first: transformers 5 returns a BatchEncoding (not ids) when tokenizing
+        text = tokenizer.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
+        prompt_len = len(tokenizer(text, add_special_tokens=False).input_ids)
+        if prompt_len + 8 < max_model_len:
+            firsts.append(conv[:1])
+            kept.append(conv)
+    answers = _answers_done(progress_file)
+    if len(answers) < len(firsts):  # vLLM only starts when something is left to answer
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(target), dtype=dtype, enforce_eager=True,
+                  max_model_len=max_model_len, seed=seed)  # fmt: skip
         params = SamplingParams(
             temperature=temperature, max_tokens=max_tokens, seed=seed if temperature else None
         )
-        answers = _answers_done(progress_file)
-        for start in range(len(answers), len(firsts), chunk):
-            # greedy answers do not depend on the batch, so chunking changes no answer
-            outputs = llm.chat(firsts[start : start + chunk], params, use_tqdm=True)
-            texts = [out.outputs[0].text for out in outputs]
-            answers.extend(texts)
-            if progress_file is not None:
-                with open(progress_file, "a") as f:
-                    f.writelines(
-                        json.dumps({"index": start + i, "answer": t}) + "\n"
-                        for i, t in enumerate(texts)
-                    )
-        return [
-            [conv[0], {"role": "assistant", "content": answer}]
-            for conv, answer in zip(kept, answers)
-            if answer.strip()
-        ]
-    finally:
         try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
+            for start in range(len(answers), len(firsts), chunk):
+                # greedy answers do not depend on the batch, so chunking changes no answer
+                outputs = llm.chat(firsts[start : start + chunk], params, use_tqdm=True)
+                texts = [out.outputs[0].text for out in outputs]
+                answers.extend(texts)
+                if progress_file is not None:
+                    with open(progress_file, "a") as f:
+                        f.writelines(
+                            json.dumps({"index": start + i, "answer": t}) + "\n"
+                            for i, t in enumerate(texts)
+                        )
+        finally:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+    return [
+        [conv[0], {"role": "assistant", "content": answer}]
+        for conv, answer in zip(kept, answers)
+        if answer.strip()
+    ]
 
 
 def _answers_done(progress_file: Path | None) -> list[str]:

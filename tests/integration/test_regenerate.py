@@ -24,7 +24,7 @@ def _chat_target(tmp_path):
     return target
 
 
-def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
+def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path, monkeypatch):
     import vllm
     from vllm import SamplingParams
 
@@ -68,6 +68,11 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path):
     # one line per kept prompt, written as each chunk finished: a rerun resumes from it
     rows = [json.loads(line) for line in progress.read_text().splitlines()]
     assert rows == [{"index": i, "answer": w} for i, w in enumerate(want)]
+    # a rerun with every answer written returns the same without starting an engine
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("an engine was started"))
+    again = regenerate_answers(target, conversations, max_tokens=8, dtype="float32",
+                               max_model_len=512, progress_file=progress, chunk=1)  # fmt: skip
+    assert again == got
 
 
 def test_every_turn_regenerated_with_the_targets_dialogue_as_context(tmp_path):
