@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle3-head ablation-head regen-data regen-data-turns
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle3-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -160,7 +160,7 @@ regen-data:
 # 20000 takes them all; MT-bench/HumanEval overlap dropped), each answered by
 # SmolLM2 itself with the dialogue so far (its own earlier answers) as context: greedy,
 # fp32 (faster than bf16 on CPUs without AVX-512 BF16), up to 320 tokens per answer.
-# Finished chunks of 256 conversations land in $(TURNS_DATA) as gzipped parts, committed as
+# Finished chunks of 64 conversations land in $(TURNS_DATA) as gzipped parts, committed as
 # they come; a rerun answers only the conversations no part holds (stop it any time, or
 # pause it with kill -STOP / -CONT while benchmarks or CI run; the progress bar shows the
 # rate). Later turns that do not fit 2048 - 320 prompt tokens end a dialogue. Train on them with
@@ -178,3 +178,22 @@ regen-data-turns:
 		--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) --regen-chunk 64 \
 		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
 		2>&1 | tee -a artifacts/regen-sharegpt-turns.log
+
+# A second prompt source for the same kind of data: single-turn task prompts from OpenAI
+# evals' registry (evals==3.0.1.post1, MIT; about 24000 after filtering, every eval set
+# mixed into any prefix; see eagle_vllm/datasets.py), answered by SmolLM2 like the turns
+# above. The package (46 MB, data only for this) is installed here, not by `make setup`.
+EVALS_DATA := data/regen-evals
+regen-data-evals:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(VENV)/bin/python -c "import importlib.util as u; exit(u.find_spec('evals') is None)" || \
+		$(PIP) install --quiet --no-deps evals==3.0.1.post1
+	mkdir -p artifacts
+	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
+		--out artifacts/regen-evals \
+		--data evals --num-conversations 30000 --max-len 2048 --regenerate \
+		--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) --regen-chunk 64 \
+		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
+		2>&1 | tee -a artifacts/regen-evals.log

