@@ -103,10 +103,10 @@ reference-head:
 # head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
 # layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
 # vocabulary (97% of the answers' tokens), E3_HEAD_STEPS steps of 4096 tokens. Exported in
-# the speculators format. About 45 minutes of feature extraction and 60 of training on 2
+# the speculators format. About 35 minutes of feature extraction and 50 of training on 2
 # cores (benchmarks/train_cost.py: the cost of each lever). Resumable.
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
-E3_HEAD_STEPS := 1400
+E3_HEAD_STEPS := 1100
 eagle3-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	mkdir -p $(E3_HEAD)
