@@ -102,9 +102,9 @@ reference-head:
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3): the EAGLE-1 reference
 # head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
 # layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
-# vocabulary (97% of the answers' tokens), E3_HEAD_STEPS steps of 4096 tokens. Exported in
-# the speculators format. About 35 minutes of feature extraction and 50 of training on 2
-# cores (benchmarks/train_cost.py: the cost of each lever). Resumable.
+# vocabulary, E3_HEAD_STEPS steps of 4096 tokens. Exported in the speculators format. Its
+# log (E3_HEAD.log) records the extraction and training times; benchmarks/train_cost.py
+# measures the cost of each lever. Resumable.
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
 E3_HEAD_STEPS := 1100
 eagle3-head:
@@ -180,8 +180,8 @@ regen-data-turns:
 		2>&1 | tee -a artifacts/regen-sharegpt-turns.log
 
 # A second prompt source for the same kind of data: single-turn task prompts from OpenAI
-# evals' registry (evals==3.0.1.post1, MIT; about 24000 after filtering, every eval set
-# mixed into any prefix; see eagle_vllm/datasets.py), answered by SmolLM2 like the turns
+# evals' registry (evals==3.0.1.post1, MIT; filtered, every eval set mixed into any
+# prefix; see eagle_vllm/datasets.py), answered by SmolLM2 like the turns
 # above. The package (46 MB, data only for this) is installed here, not by `make setup`.
 EVALS_DATA := data/regen-evals
 regen-data-evals:
