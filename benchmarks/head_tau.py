@@ -87,11 +87,18 @@ def run_worker(args) -> None:
     print("ROW " + json.dumps(row), flush=True)
 
 
-def write_markdown(path: Path, rows: list[dict], command: str) -> None:
+def row_order(row: dict) -> tuple:
+    """Dataset, temperature, then the systems in SYSTEMS' order."""
+    return row["dataset"], row["temperature"], SYSTEMS.index(row["system"])
+
+
+def write_markdown(path: Path, rows: list[dict], commands: list[str]) -> None:
     lines = [
         "# τ of EAGLE-1 and EAGLE-3 heads (batch 1, fp32)",
         "",
-        f"Command: `{command}`",
+        "Commands (each measures its own rows):",
+        "",
+        *(f"- `{c}`" for c in commands),
         "",
         "| dataset | T | system | τ | acceptance at depth 1, 2, 3, 4 | tok/s |",
         "|---|---|---|---|---|---|",
@@ -119,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md (rows as they finish)")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="keep OUT.json's rows of other systems, datasets and temperatures (and its "
+        "commands), replacing only the rows this command measures",
+    )
     p.add_argument("--worker-spec", help=argparse.SUPPRESS)
     p.add_argument("--worker-dataset", help=argparse.SUPPRESS)
     p.add_argument("--worker-temperature", type=float, help=argparse.SUPPRESS)
@@ -128,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     heads = {"e1": args.eagle1_head, "e3": args.eagle3_head}
     command = " ".join(["python benchmarks/head_tau.py", *(argv or sys.argv[1:])])
-    rows = []
+    commands, rows = [command], []
+    if args.update and args.out and Path(args.out).with_suffix(".json").exists():
+        earlier = json.loads(Path(args.out).with_suffix(".json").read_text())
+        rerun = {(n, d, float(t)) for n in args.systems.split(",")
+                 for d in args.datasets.split(",") for t in args.temperatures.split(",")}  # fmt: skip
+        rows = [r for r in earlier["rows"]
+                if (r["system"], r["dataset"], r["temperature"]) not in rerun]  # fmt: skip
+        commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c] + commands
     for name in args.systems.split(","):
         if name not in SYSTEMS:
             raise SystemExit(f"error: unknown system '{name}' (use {', '.join(SYSTEMS)})")
@@ -151,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"depths {[round(x, 3) for x in row['per_depth']]}", flush=True)  # fmt: skip
                 if args.out:
                     out = Path(args.out)
+                    rows.sort(key=row_order)
                     out.with_suffix(".json").write_text(
-                        json.dumps({"command": command, "rows": rows}, indent=1)
+                        json.dumps({"commands": commands, "rows": rows}, indent=1)
                     )
-                    write_markdown(out.with_suffix(".md"), rows, command)
+                    write_markdown(out.with_suffix(".md"), rows, commands)
     return 0
 
 

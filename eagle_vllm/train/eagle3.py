@@ -418,7 +418,30 @@ class Eagle3Trainer(Trainer):
             head.lm_head.weight.copy_(self.lm_head)
         # frozen: the target's rows stay (a third of the LM head's GEMMs saved per step)
         head.lm_head.weight.requires_grad_(not self.cfg.ttt_freeze_lm_head)
+        self.warm_start(head)
         return head
+
+    def adapt_warm_start(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An exported head stores its LM-head rows in ascending target id, with ``d2t``;
+        this trainer holds them in its draft vocabulary's order (``vocab_ids``)."""
+        weights = dict(weights)
+        d2t = weights.pop("d2t", None)
+        weights.pop("t2d", None)
+        rows = weights.get("lm_head.weight")
+        if rows is None:
+            return weights
+        exported_ids = torch.arange(rows.shape[0]) if d2t is None else d2t + torch.arange(len(d2t))
+        row_of = torch.full((self.target_lm_head.shape[0],), -1, dtype=torch.int64)
+        row_of[exported_ids] = torch.arange(len(exported_ids))
+        order = row_of[self.vocab_ids]
+        if len(exported_ids) != len(self.vocab_ids) or bool((order < 0).any()):
+            raise ValueError(
+                f"--init-from '{self.cfg.init_from}' drafts another vocabulary than this run "
+                f"({len(exported_ids)} tokens vs --ce-vocab {len(self.vocab_ids)}, or other "
+                "tokens). Fix: train on the data and --ce-vocab that head was trained with."
+            )
+        weights["lm_head.weight"] = rows[order]
+        return weights
 
     def _losses(self, indices: list[int], examples: list[Example], train: bool):
         ids, mask, aux, last = collate_eagle3(examples, indices)

@@ -75,6 +75,9 @@ class TrainConfig:
     ttt_topk_weight: float = 0.0
     ttt_feature_weight: float = 0.0
     ttt_freeze_lm_head: bool = False
+    # a warm start: the weights of an exported head of the same kind (a new optimiser and
+    # schedule); "" = the usual initialisation
+    init_from: str = ""
 
 
 def load_target_embeddings(target: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -221,7 +224,41 @@ class Trainer:
         self._resume()
 
     def build_model(self) -> torch.nn.Module:
-        return EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)
+        head = EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)
+        self.warm_start(head)
+        return head
+
+    def warm_start(self, model: torch.nn.Module) -> None:
+        """Load the weights of the exported head ``init_from`` into ``model`` (no-op without).
+        Only the weights: the optimiser, schedule and log start anew, so training can go on
+        from a shipped or downloaded head with other data or another schedule."""
+        if not self.cfg.init_from:
+            return
+        from safetensors.torch import load_file
+
+        path = Path(self.cfg.init_from) / "model.safetensors"
+        if not path.is_file():
+            raise ValueError(
+                f"--init-from: no '{path}'. Fix: point it at a head folder this trainer "
+                "exported (config.json + model.safetensors)."
+            )
+        weights = self.adapt_warm_start(load_file(str(path)))
+        own = model.state_dict()
+        wrong = sorted(
+            k for k in own.keys() | weights.keys()
+            if k not in own or k not in weights or own[k].shape != weights[k].shape
+        )  # fmt: skip
+        if wrong:
+            raise ValueError(
+                f"--init-from '{self.cfg.init_from}' does not fit this head: tensors "
+                f"{wrong[:6]} are missing, extra or of another shape. Fix: warm-start from a "
+                "head of the same --arch and target (and, for eagle3, the same --aux-layers)."
+            )
+        model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+
+    def adapt_warm_start(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The exported tensors, named and ordered as ``build_model``'s module holds them."""
+        return weights
 
     def _lr_factor(self, step: int) -> float:
         c = self.cfg

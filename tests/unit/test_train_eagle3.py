@@ -275,3 +275,96 @@ def test_trainer_row_losses_equal_the_dense_loss(tmp_path):
         torch.testing.assert_close(rows[key], dense[key])
     for k, p in trainer.model.named_parameters():
         torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def _synthetic_examples(hidden: int, count: int = 12, seed: int = 0):
+    from eagle_vllm.train.features import Example
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Example(
+            input_ids=torch.randint(4, 250, (30,), generator=gen),
+            loss_mask=torch.ones(30, dtype=torch.bool),
+            hidden=torch.randn(30, hidden, generator=gen),
+            aux=torch.randn(30, 2 * hidden, generator=gen),
+        )
+        for _ in range(count)
+    ]
+
+
+def test_warm_start_restores_the_exported_head(tmp_path):
+    """--init-from loads an exported head's weights: the LM-head rows, stored in ascending
+    target id with d2t, come back in the trainer's draft-vocabulary order, so the
+    warm-started head scores every token as the exported one did."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = _synthetic_examples(hidden)
+    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
+                      ttt_steps=2, eval_every=2, save_every=2, log_every=1, noise="none")  # fmt: skip
+    first = Eagle3Trainer(target, examples, tmp_path / "first", cfg, (0, 1))
+    first.fit(progress=False)
+    first.export("float32")
+    assert not torch.equal(first.vocab_ids, first.vocab_ids.sort().values)  # rows reordered
+
+    warm = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "first"), "lr": 1e-4})
+    second = Eagle3Trainer(target, examples, tmp_path / "second", warm, (0, 1))
+    assert second.step == 0  # a new schedule, not a resume
+    for key, value in first.model.state_dict().items():
+        torch.testing.assert_close(second.model.state_dict()[key], value, atol=0, rtol=0)
+
+    fresh = Eagle3Trainer(target, examples, tmp_path / "fresh", cfg, (0, 1))
+    assert not torch.equal(fresh.model.fc.weight, first.model.fc.weight)
+
+
+def test_warm_start_refuses_a_head_that_does_not_fit(tmp_path):
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = _synthetic_examples(hidden)
+    cfg = TrainConfig(max_steps=1, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
+                      ttt_steps=2, noise="none")  # fmt: skip
+    first = Eagle3Trainer(target, examples, tmp_path / "first", cfg, (0, 1))
+    first.export("float32")
+
+    other_vocab = TrainConfig(**{**cfg.__dict__, "ce_vocab": 32, "init_from": str(first.out)})
+    with pytest.raises(ValueError, match="another vocabulary.*--ce-vocab"):
+        Eagle3Trainer(target, examples, tmp_path / "v", other_vocab, (0, 1))
+    # three target layers fused instead of two: fc has another shape
+    three = [e.__class__(e.input_ids, e.loss_mask, e.hidden, torch.cat([e.aux, e.hidden], -1))
+             for e in examples]  # fmt: skip
+    with pytest.raises(ValueError, match="fc.weight.*--aux-layers"):
+        Eagle3Trainer(target, three, tmp_path / "l",
+                      TrainConfig(**{**cfg.__dict__, "init_from": str(first.out)}), (0, 1, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="--init-from: no"):
+        Eagle3Trainer(target, examples, tmp_path / "m",
+                      TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "none")}), (0, 1))  # fmt: skip
+
+
+def test_warm_start_of_an_eagle1_head(tmp_path):
+    """The EAGLE-1 trainer takes --init-from too (its export is its module's state dict)."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.features import Example
+    from eagle_vllm.train.trainer import TrainConfig, Trainer
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = [Example(e.input_ids, e.loss_mask, e.hidden) for e in _synthetic_examples(hidden)]
+    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, eval_every=2,
+                      save_every=2, log_every=1)  # fmt: skip
+    first = Trainer(target, examples, tmp_path / "first", cfg)
+    first.fit(progress=False)
+    first.export("float32")
+    second = Trainer(target, examples, tmp_path / "second",
+                     TrainConfig(**{**cfg.__dict__, "init_from": str(first.out)}))  # fmt: skip
+    for key, value in first.model.state_dict().items():
+        torch.testing.assert_close(second.model.state_dict()[key], value, atol=0, rtol=0)
