@@ -102,30 +102,22 @@ reference-head:
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3): the EAGLE-1 reference
 # head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
 # layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
-# vocabulary, steps of 4096 tokens, exported in the speculators format. Two stages that
-# each fit a working day on 2 cores: E3_STAGE1_STEPS steps at lr 6e-4 into E3_STAGE1,
-# then E3_HEAD_STEPS more at lr 3e-4 warm-started from it (--init-from: its weights, a
-# new schedule). The log (E3_HEAD.log) records the extraction and training times;
-# benchmarks/train_cost.py measures the cost of each lever. Resumable.
+# vocabulary, E3_HEAD_STEPS steps of 4096 tokens. Exported in the speculators format. Its
+# log (E3_HEAD.log) records the extraction and training times; benchmarks/train_cost.py
+# measures the cost of each lever. Resumable.
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
-E3_STAGE1 := artifacts/eagle3-stage1
-E3_FEATURES := artifacts/eagle3-features
-E3_STAGE1_STEPS := 1100
-E3_HEAD_STEPS := 700
-E3_TRAIN = $(VENV)/bin/eagle-vllm train --arch eagle3 --target models/SmolLM2-135M-Instruct \
-	--data sharegpt --num-conversations 4736 --max-len 1024 --regenerate \
-	--regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
-	--features-dir $(E3_FEATURES) --ttt-steps 3 --ce-vocab 8192 --warmup-steps 50 \
-	--tokens-per-batch 4096 --noise none --eval-every 100 --save-every 50 --seed 0
+E3_HEAD_STEPS := 1100
 eagle3-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
-	mkdir -p $(E3_HEAD) $(E3_STAGE1)
-	for dir in $(E3_STAGE1) $(E3_HEAD); do test -f $$dir/conversations.partial.jsonl || \
-		cp $(REGEN_DATA)/conversations.partial.jsonl $$dir/; done
-	test -f $(E3_STAGE1)/model.safetensors || { $(E3_TRAIN) --out $(E3_STAGE1) \
-		--max-steps $(E3_STAGE1_STEPS) --lr 6e-4 2>&1 | tee -a $(E3_HEAD).log; }
-	$(E3_TRAIN) --out $(E3_HEAD) --init-from $(E3_STAGE1) --max-steps $(E3_HEAD_STEPS) \
-		--lr 3e-4 2>&1 | tee -a $(E3_HEAD).log
+	mkdir -p $(E3_HEAD)
+	test -f $(E3_HEAD)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(E3_HEAD)/
+	$(VENV)/bin/eagle-vllm train --arch eagle3 --target models/SmolLM2-135M-Instruct \
+		--out $(E3_HEAD) --data sharegpt --num-conversations 4736 --max-len 1024 \
+		--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
+		--ttt-steps 3 --ce-vocab 8192 --max-steps $(E3_HEAD_STEPS) --lr 6e-4 \
+		--warmup-steps 50 --tokens-per-batch 4096 --noise none \
+		--eval-every 100 --save-every 50 --seed 0 2>&1 | tee -a $(E3_HEAD).log
 
 # The noise ablation: the first reference head's recipe (ShareGPT's own answers, 1000
 # conversations, 600 steps) without feature noise (train with 1 thread so it can run
