@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     DEFAULT_AUTO_CONFIG,
     DEFAULT_EAGLE2_CONFIG,
     DEFAULT_EAGLE2_SUFFIX_CONFIG,
+    DEFAULT_EAGLE3_HEAD,
     DEFAULT_EAGLE_CONFIG,
     DEFAULT_HEAD,
     DEFAULT_SUFFIX_CONFIG,
@@ -59,7 +60,7 @@ TABLE_SYSTEMS = (
     "vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto", "suffix", "eagle2-suffix",
 )  # fmt: skip
 # also accepted: vLLM's suffix decoding, where arctic-inference is installed
-TABLE_OPTIONAL = ("vllm-suffix", "eagle2-auto-nosuffix")
+TABLE_OPTIONAL = ("vllm-suffix", "vllm-eagle3", "eagle2-auto-nosuffix")
 CURVE_SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
 CURVE_OPTIONAL = ("suffix", "eagle2-suffix")
 
@@ -83,6 +84,8 @@ Systems (each in its own engine process, one after the other, same settings):
   (``--eagle2-suffix-config``, default configs/eagle2-suffix.yaml)
 * ``vllm-suffix`` vLLM's built-in suffix decoding (needs arctic-inference: ``make
   vllm-suffix``; not in the default list)
+* ``vllm-eagle3`` vLLM's built-in EAGLE-3 chain (``method: eagle3``) with ``--eagle3-head``
+  (not in the default list)
 * ``eagle2-auto-nosuffix`` ``--auto-config`` without its suffix section (not in the
   default list)
 
@@ -103,8 +106,8 @@ counters), and for eagle-vllm systems the split of engine-step time between
 drafting, the target forward, verification (sampling) and the rest.
 
 On vLLM's CPU build, the stock speculative sampler mis-expands per-request
-sampling parameters (see README); ``ngram`` and ``vllm-eagle`` are therefore
-only run at temperature 0 there.
+sampling parameters (see README); ``ngram``, ``vllm-eagle`` and ``vllm-eagle3`` are
+therefore only run at temperature 0 there.
 
 Output: ``OUT.json`` (all raw figures), ``OUT.md`` (tables), ``OUT.png`` (plot).
 """
@@ -335,6 +338,7 @@ def plot_table(table: list[dict], path: Path) -> None:
 def add_table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--head", default=DEFAULT_HEAD)
+    p.add_argument("--eagle3-head", default=DEFAULT_EAGLE3_HEAD, help="vllm-eagle3's head")
     p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
     p.add_argument("--eagle2-config", default=DEFAULT_EAGLE2_CONFIG)
     p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = str(ROOT / "models/SmolLM2-135M-Instruct")
 DEFAULT_HEAD = str(ROOT / "heads/smollm2-135m-instruct-eagle")
+DEFAULT_EAGLE3_HEAD = str(ROOT / "heads/smollm2-135m-instruct-eagle3")
 DEFAULT_EAGLE_CONFIG = str(ROOT / "configs/eagle.yaml")
 DEFAULT_EAGLE2_CONFIG = str(ROOT / "configs/eagle2.yaml")
 DEFAULT_AUTO_CONFIG = str(ROOT / "configs/eagle2-auto.yaml")
@@ -31,6 +32,7 @@ SYSTEMS = {
     "vanilla": "vLLM without speculation (the reference every ratio is against)",
     "ngram": "vLLM's built-in n-gram speculation",
     "vllm-eagle": "vLLM's built-in EAGLE chain with the same head",
+    "vllm-eagle3": "vLLM's built-in EAGLE-3 chain (method eagle3) with --eagle3-head",
     "eagle": "eagle-vllm chain (--eagle-config)",
     "eagle2": "eagle-vllm tree (--eagle2-config)",
     "eagle2-auto": "eagle-vllm tree with load-aware sizing (--auto-config)",
@@ -58,7 +60,7 @@ PLUGIN_CONFIGS = {
 }
 PLUGIN_SYSTEMS = tuple(PLUGIN_CONFIGS)
 # vLLM's own speculative decoding (its CPU build mis-expands sampled batches)
-STOCK_SPEC_SYSTEMS = ("ngram", "vllm-eagle", "vllm-suffix")
+STOCK_SPEC_SYSTEMS = ("ngram", "vllm-eagle", "vllm-eagle3", "vllm-suffix")
 # the --auto-config systems: the arm ``passes,nodes`` every step is pinned to, or None (free)
 PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "tree-2-6": "2,6", "auto": None}
 
@@ -140,8 +142,8 @@ def engine_kwargs(
 def build_engine(system: str, args, **kwargs):
     """The engine of one named system (``SYSTEMS``) on ``args.target``, built with
     ``kwargs`` (``engine_kwargs``). Reads from ``args`` what the system needs:
-    ``eagle_config`` / ``eagle2_config`` / ``auto_config``, ``head`` and ``vllm_eagle_k``
-    (vllm-eagle), ``ngram_k`` (ngram). Pinned systems (``PINS``) set
+    ``eagle_config`` / ``eagle2_config`` / ``auto_config``, ``head`` / ``eagle3_head`` and
+    ``vllm_eagle_k`` (vllm-eagle / vllm-eagle3), ``ngram_k`` (ngram). Pinned systems (``PINS``) set
     ``EAGLE_VLLM_SIZER_PIN`` in this process's environment, which the engine (in this
     process or its child) reads."""
     if system == "eagle2-auto-nosuffix":  # --auto-config without its suffix section
@@ -195,8 +197,11 @@ def build_engine(system: str, args, **kwargs):
         # vLLM's suffix cache between measurements (RPC eagle_vllm_suffix)
         spec = {"method": "suffix", "num_speculative_tokens": args.vllm_suffix_k}
         return vllm.LLM(args.target, speculative_config=spec, worker_cls=WORKER_CLS, **kwargs)
-    if system == "vllm-eagle":
-        spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.vllm_eagle_k}
+    if system in ("vllm-eagle", "vllm-eagle3"):
+        method, head = (
+            ("eagle", args.head) if system == "vllm-eagle" else ("eagle3", args.eagle3_head)
+        )
+        spec = {"method": method, "model": head, "num_speculative_tokens": args.vllm_eagle_k}
         return vllm.LLM(args.target, speculative_config=spec, **kwargs)
     if system in ("vanilla-timed", "ngram-timed"):
         from eagle_vllm.config import WORKER_CLS
