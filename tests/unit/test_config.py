@@ -931,3 +931,16 @@ def test_plain_vllm_eagle3_dict_stays_vllms(eagle3_head):
     benchmark baseline); a file path or a plugin key routes it to the plugin."""
     assert not is_eagle_vllm_request({"method": "eagle3", "model": str(eagle3_head)})
     assert is_eagle_vllm_request({"method": "eagle3", "model": str(eagle3_head), "topk": 1})
+
+
+def test_shipped_eagle3_config_loads_the_committed_eagle3_head():
+    """configs/eagle2-eagle3.yaml points at heads/smollm2-135m-instruct-eagle3 (speculators
+    format): an EAGLE-3 head over target layers 2, 15 and 27 with an 8192-token draft vocab."""
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = parse_speculative_config(root / "configs" / "eagle2-eagle3.yaml")
+    info = inspect_draft_checkpoint(cfg.model)
+    assert info.head_type == "eagle3" and info.speculators_format
+    assert info.aux_layer_ids == (2, 15, 27) and info.head_vocab_size == 8192
+    assert info.hidden_size == 576 and info.vocab_size == 49152

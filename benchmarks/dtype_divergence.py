@@ -1,0 +1,145 @@
+"""Greedy outputs of speculative systems against vanilla vLLM's, per dtype.
+
+    .venv/bin/python benchmarks/dtype_divergence.py --out benchmarks/results/dtype-divergence-cpu
+
+In float32 every lossless system must reproduce vanilla's greedy tokens exactly (the test
+suite asserts it on tiny models; this checks the real target). In bfloat16 a verify
+forward scores several tokens at once, and a multi-token matrix product rounds
+differently from one token's, so a near-tie between the top two tokens can flip: stock
+vLLM's own speculation diverges too. Per system and dtype this counts the outputs
+identical to vanilla's (same dtype, same batch), and where the others first differ.
+
+Each system runs in its own process (one engine per dtype); the prompts (MT-bench first
+turns and HumanEval) run as one batch of ``--batch`` requests at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    DEFAULT_AUTO_CONFIG,
+    DEFAULT_EAGLE_CONFIG,
+    DEFAULT_HEAD,
+    DEFAULT_TARGET,
+    ROOT,
+    build_engine,
+    check_systems,
+    command_line,
+    engine_kwargs,
+    load_prompts,
+    run_as_worker,
+    run_systems,
+    shutdown,
+    write_results,
+)
+
+SCRIPT = "benchmarks/dtype_divergence.py"
+SYSTEMS = ("vanilla", "ngram", "vllm-eagle", "eagle", "eagle2-auto")
+
+
+def run_worker(system: str, args) -> list[dict]:
+    """Greedy outputs of one system at every dtype: one row per (dtype, dataset, prompt)."""
+    from vllm import SamplingParams
+
+    rows = []
+    for dtype in args.dtypes:
+        llm = build_engine(system, args, **engine_kwargs(dtype, args.batch, log_stats=False))
+        tokenizer = llm.get_tokenizer()
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        for dataset in args.datasets:
+            prompts = load_prompts(dataset, args.prompts, tokenizer)
+            for start in range(0, len(prompts), args.batch):
+                outs = llm.generate(prompts[start : start + args.batch], params, use_tqdm=False)
+                for i, out in enumerate(outs):
+                    rows.append({"system": system, "dtype": dtype, "dataset": dataset,
+                                 "prompt": start + i,
+                                 "tokens": list(out.outputs[0].token_ids)})  # fmt: skip
+        shutdown(llm)
+        del llm
+    return rows
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarise(rows: list[dict], args, command: str) -> str:
+    reference = {
+        (r["dtype"], r["dataset"], r["prompt"]): r["tokens"]
+        for r in rows
+        if r["system"] == "vanilla"
+    }
+    lines = [
+        "# Greedy outputs against vanilla vLLM's, per dtype",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{args.prompts} prompts per dataset ({', '.join(args.datasets)}), {args.max_tokens} "
+        f"tokens, batches of {args.batch}, T=0. Identical: outputs equal to vanilla's of the "
+        "same dtype, token for token; first difference: the token index where the others "
+        "first differ (median [min-max]).",
+        "",
+        "| dtype | system | identical | first difference |",
+        "|---|---|---|---|",
+    ]
+    for dtype in args.dtypes:
+        for system in args.systems:
+            if system == "vanilla":
+                continue
+            mine = [r for r in rows if r["system"] == system and r["dtype"] == dtype]
+            diffs = [
+                first_difference(r["tokens"], reference[(dtype, r["dataset"], r["prompt"])])
+                for r in mine
+            ]
+            split = [d for d in diffs if d is not None]
+            where = f"{statistics.median(split):g} [{min(split)}-{max(split)}]" if split else "-"
+            lines.append(
+                f"| {dtype} | {system} | {len(mine) - len(split)} / {len(mine)} | {where} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--head", default=DEFAULT_HEAD)
+    p.add_argument("--eagle-config", default=DEFAULT_EAGLE_CONFIG)
+    p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--datasets", default="mtbench,humaneval")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per dataset")
+    p.add_argument("--batch", type=int, default=4, help="requests per generate() call")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ngram-k", type=int, default=3)
+    p.add_argument("--vllm-eagle-k", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/dtype-divergence"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.systems = args.systems.split(",")
+    args.dtypes = args.dtypes.split(",")
+    args.datasets = args.datasets.split(",")
+    if run_as_worker(args, run_worker):
+        return 0
+    check_systems(args.systems, SYSTEMS)
+    rows = run_systems(__file__, args.systems, argv, args.out)
+    md = summarise(rows, args, command_line(SCRIPT, argv))
+    write_results(args.out, args, rows, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
