@@ -11,6 +11,11 @@ identical to vanilla's (same dtype, same batch), and where the others first diff
 
 Each system runs in its own process (one engine per dtype); the prompts (MT-bench first
 turns and HumanEval) run as one batch of ``--batch`` requests at a time.
+
+``--margins`` (after a run, reading OUT.json): at each first difference, vanilla's own
+log-probabilities (one prefill of the prompt and vanilla's tokens so far, in that dtype)
+of vanilla's token and of the system's. A gap of a bf16 step or two is a near-tie that
+rounding flips; a large one would be a bug.
 """
 
 from __future__ import annotations
@@ -109,6 +114,46 @@ def summarise(rows: list[dict], args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _logprob(logprobs: dict, token: int) -> str:
+    return f"{logprobs[token].logprob:.3f}" if token in logprobs else "< top 20"
+
+
+def margins(args) -> str:
+    """Vanilla's log-probabilities of both tokens at every first difference (``--margins``)."""
+    import json
+
+    import vllm
+    from vllm import SamplingParams
+
+    rows = json.loads(Path(args.out + ".json").read_text())["rows"]
+    reference = {(r["dtype"], r["dataset"], r["prompt"]): r["tokens"]
+                 for r in rows if r["system"] == "vanilla"}  # fmt: skip
+    lines = ["| dtype | system | dataset, prompt | token | logprob of vanilla's | of the system's |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for dtype in args.dtypes:
+        llm = vllm.LLM(args.target, **engine_kwargs(dtype, 1, log_stats=False))
+        tokenizer = llm.get_tokenizer()
+        for r in rows:
+            theirs = reference[(dtype, r["dataset"], r["prompt"])] if r["dtype"] == dtype else None
+            if theirs is None or r["system"] == "vanilla":
+                continue
+            at = first_difference(r["tokens"], theirs)
+            if at is None or at >= min(len(r["tokens"]), len(theirs)):
+                continue
+            prompt = load_prompts(r["dataset"], args.prompts, tokenizer)[r["prompt"]]
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] + theirs[:at]
+            params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            logprobs = out.outputs[0].logprobs[0]
+
+            lines.append(f"| {dtype} | {r['system']} | {r['dataset']}, {r['prompt']} | {at} | "
+                         f"{_logprob(logprobs, theirs[at])} | "
+                         f"{_logprob(logprobs, r['tokens'][at])} |")  # fmt: skip
+        shutdown(llm)
+        del llm
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,12 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ngram-k", type=int, default=3)
     p.add_argument("--vllm-eagle-k", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/dtype-divergence"))
+    p.add_argument("--margins", action="store_true", help="after a run: see the docstring")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
     args.dtypes = args.dtypes.split(",")
     args.datasets = args.datasets.split(",")
     if run_as_worker(args, run_worker):
+        return 0
+    if args.margins:
+        table = margins(args)
+        Path(args.out + "-margins.md").write_text(
+            f"# Vanilla's log-probabilities at each first difference\n\nCommand: "
+            f"`{command_line(SCRIPT, argv)}`\n\n{table}"
+        )
+        print(table)
         return 0
     check_systems(args.systems, SYSTEMS)
     rows = run_systems(__file__, args.systems, argv, args.out)
