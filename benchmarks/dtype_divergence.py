@@ -133,19 +133,19 @@ def margins(args) -> str:
     for dtype in args.dtypes:
         llm = vllm.LLM(args.target, **engine_kwargs(dtype, 1, log_stats=False))
         tokenizer = llm.get_tokenizer()
+        prompts = {d: load_prompts(d, args.prompts, tokenizer) for d in args.datasets}
         for r in rows:
-            theirs = reference[(dtype, r["dataset"], r["prompt"])] if r["dtype"] == dtype else None
-            if theirs is None or r["system"] == "vanilla":
+            if r["dtype"] != dtype or r["system"] == "vanilla":
                 continue
+            theirs = reference[(dtype, r["dataset"], r["prompt"])]
             at = first_difference(r["tokens"], theirs)
             if at is None or at >= min(len(r["tokens"]), len(theirs)):
                 continue
-            prompt = load_prompts(r["dataset"], args.prompts, tokenizer)[r["prompt"]]
+            prompt = prompts[r["dataset"]][r["prompt"]]
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] + theirs[:at]
             params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             logprobs = out.outputs[0].logprobs[0]
-
             lines.append(f"| {dtype} | {r['system']} | {r['dataset']}, {r['prompt']} | {at} | "
                          f"{_logprob(logprobs, theirs[at])} | "
                          f"{_logprob(logprobs, r['tokens'][at])} |")  # fmt: skip

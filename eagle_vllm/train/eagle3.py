@@ -418,7 +418,6 @@ class Eagle3Trainer(Trainer):
             head.lm_head.weight.copy_(self.lm_head)
         # frozen: the target's rows stay (a third of the LM head's GEMMs saved per step)
         head.lm_head.weight.requires_grad_(not self.cfg.ttt_freeze_lm_head)
-        self.warm_start(head)
         return head
 
     def adapt_warm_start(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

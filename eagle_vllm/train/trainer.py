@@ -212,6 +212,7 @@ class Trainer:
         self.row_of = torch.full((vocab,), -1, dtype=torch.int64)
         self.row_of[self.vocab_ids] = torch.arange(len(self.vocab_ids))
         self.model = self.build_model()
+        self.warm_start(self.model)
         self.opt = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.lr,
@@ -224,9 +225,7 @@ class Trainer:
         self._resume()
 
     def build_model(self) -> torch.nn.Module:
-        head = EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)
-        self.warm_start(head)
-        return head
+        return EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)
 
     def warm_start(self, model: torch.nn.Module) -> None:
         """Load the weights of the exported head ``init_from`` into ``model`` (no-op without).
