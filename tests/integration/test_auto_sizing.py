@@ -44,20 +44,18 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
     assert got_single == vanilla["single"]
     arms = [tuple(a) for a in sizing["arms"]]
     # Steps with no drafts and steps with drafts, at any of the run's batch sizes (9
-    # requests, then 1), so output stayed exact across the switches. How many tree sizes
-    # a short run tries depends on this machine's timings: the chain, whose noisy draft
-    # rarely pays, may try only off and (1,2) in a short run on a fresh clone, so only the
-    # tree (topk 3, which tries several) must show three sizes.
+    # requests, then 1), so output stayed exact across the switches. Which tree sizes
+    # beyond the smallest a short run tries depends on this machine's timings (an arm
+    # predicted not to beat the best measured one is never tried): the noisy draft may
+    # never pay for more than one pass, so only off and drafts are required here, and
+    # every size is forced in turn by test_every_size_in_turn_is_exact.
     chosen = [(d, m) for _, d, m in sizing["history"]]
     assert (0, 1) in chosen and any(d > 0 for d, _ in chosen), sizing["history"]
-    if method == "eagle2":
-        assert len(set(chosen)) >= 3, sizing["history"]
     assert any(batch == 1 and d > 0 for batch, d, _ in sizing["history"])
-    # warm-up measured the cost of no drafts and of trees at batch 1 (arms that could
-    # not beat the best measured one are never tried)
+    # warm-up measured the cost of no drafts and of drafts at batch 1
     row = sizing["buckets"]["1"] if "1" in sizing["buckets"] else sizing["buckets"][1]
     measured = [a for a, v in row.items() if v["seconds"] is not None]
-    assert "0,1" in measured and len(measured) >= 3, row
+    assert "0,1" in measured and len(measured) >= 2, row
     assert all(row[a]["seconds"] > 0 for a in measured)
     # drafts were accepted, and at each number of passes a bigger tree is predicted to
     # yield at least as many tokens. (Not across passes: each depth has its own ranked
@@ -74,3 +72,45 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
         smaller = [t for (d2, m2), t in expected.items() if d2 == d and m2 <= m]
         assert tokens >= max(smaller) - 1e-9, row
     assert expected[max(arms)] > 1.0, row
+
+
+@pytest.mark.parametrize("method,extra", [("eagle2", {"topk": 3}), ("eagle", {})])
+def test_every_size_in_turn_is_exact(tiny, vanilla, method, extra, monkeypatch):
+    """The runner follows any sequence of sizes exactly: the sizer's choices are replaced
+    by a fixed random walk over all its arms, with runs of drafts-off steps (deferred
+    draft KV, caught up many positions at once) between trees of every size."""
+    import random
+
+    from eagle_vllm import LLM
+    from eagle_vllm.sizing.policy import TreeSizer
+
+    rng = random.Random(0)
+    decide = TreeSizer.decide
+
+    def walk(self, batch_size, num_sampled=0):
+        decide(self, batch_size, num_sampled)  # the policy's bookkeeping still runs
+        arm = self.arms[0] if rng.random() < 0.4 else rng.choice(self.arms)
+        self.history[-1] = (batch_size, *arm)
+        return arm
+
+    # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    monkeypatch.setattr(TreeSizer, "decide", walk)
+    spec = {
+        "method": method,
+        "model": str(tiny["draft_noisy"]),
+        "num_speculative_tokens": 3,
+        "total_tokens": "auto",
+        **extra,
+    }
+    llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
+    got_batch = token_ids(llm.generate(PROMPTS, greedy()))
+    got_single = [token_ids(llm.generate([p], greedy()))[0] for p in PROMPTS[:3]]
+    sizing = llm.collective_rpc("eagle_vllm_sizing")[0]
+    shutdown(llm)
+    assert got_batch == vanilla["batch"]
+    assert got_single == vanilla["single"]
+    arms = {tuple(a) for a in sizing["arms"]}
+    chosen = [(d, m) for _, d, m in sizing["history"]]
+    assert set(chosen) == arms, (arms, set(chosen))
+    runs_off = [a == b == (0, 1) for a, b in zip(chosen, chosen[1:])]
+    assert any(runs_off), chosen
