@@ -207,11 +207,13 @@ def tp_broadcast(obj, tensor_parallel_size: int):
 
 
 # -- the drafter's first pass (vllm/v1/spec_decode/eagle.py, EagleProposer) -------
-def first_pass_forward(proposer, **first_pass_inputs):
+def first_pass_forward(proposer, outputs_only_at=None, **first_pass_inputs):
     """The draft model over the tokens the target just verified, as vLLM's own EAGLE
     proposer runs it (writes their draft KV); ``first_pass_inputs`` are those of
-    ``EagleProposer.set_inputs_first_pass``. Returns ``(last_hidden, hidden,
-    token_indices_to_sample, common_attn_metadata)``."""
+    ``EagleProposer.set_inputs_first_pass``. ``outputs_only_at(rows)``: a context in
+    which the model need compute outputs only at ``rows`` (the rows sampled from; every
+    row's KV is still written). Returns ``(last_hidden, hidden, token_indices_to_sample,
+    common_attn_metadata)``: rows other than ``token_indices_to_sample`` may be garbage."""
     from vllm.forward_context import set_forward_context
 
     num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(**first_pass_inputs)
@@ -230,9 +232,21 @@ def first_pass_forward(proposer, **first_pass_inputs):
         cudagraph_runtime_mode=mode,
         slot_mapping=proposer._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
     ):
-        out = proposer.model(**model_kwargs)
+        trim = contextlib.nullcontext()
+        if outputs_only_at is not None and not draft_is_compiled(proposer.vllm_config):
+            trim = outputs_only_at(token_indices_to_sample)
+        with trim:
+            out = proposer.model(**model_kwargs)
     last_hidden, hidden = out if proposer.model_returns_tuple() else (out, out)
     return last_hidden, hidden, token_indices_to_sample, cad
+
+
+def draft_is_compiled(vllm_config) -> bool:
+    """Whether vLLM compiles the draft model's forward (torch.compile): its submodules
+    must then stay as traced."""
+    from vllm.config import CompilationMode
+
+    return vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
 # -- the front end (vllm/engine/arg_utils.py) --------------------------------------

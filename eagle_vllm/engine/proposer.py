@@ -81,6 +81,49 @@ class _TreeNodeAttention(nn.Module):
         return out.reshape(batch * width, self.num_heads * self.head_size)
 
 
+class _KVCaptured(Exception):
+    """Raised by ``_KVOnlyAttention`` once it holds the K/V: nothing after is needed."""
+
+
+class _KVOnlyAttention(nn.Module):
+    """Stands in for the last draft layer's ``Attention`` when only its K/V are wanted
+    (``forward_runs``): keeps them, then stops the forward (``_KVCaptured``)."""
+
+    def __init__(self, attn: nn.Module, batch: int):
+        super().__init__()
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_size = attn.head_size
+        self.batch = batch
+        self.mask: torch.Tensor | None = None
+        self.node_k = self.node_v = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shape = (self.batch, -1, self.num_kv_heads, self.head_size)
+        self.node_k, self.node_v = k.reshape(shape), v.reshape(shape)
+        raise _KVCaptured
+
+
+class _AtRows(nn.Module):
+    """``module`` applied to ``rows`` of its input only; the other rows' outputs are zeros.
+    Handles vLLM linears that return ``(output, bias)``."""
+
+    def __init__(self, module: nn.Module, rows: torch.Tensor, out_features: int):
+        super().__init__()
+        self.module, self.rows, self.out_features = module, rows.long(), out_features
+
+    def forward(self, x: torch.Tensor):
+        if self.rows.numel() == 0:  # no outputs wanted (a first pass that only writes KV)
+            full = x.new_zeros(x.shape[0], self.out_features)
+            return (full, None) if getattr(self.module, "return_bias", False) else full
+        out = self.module(x[self.rows])
+        rest = ()
+        if isinstance(out, tuple):
+            out, *rest = out
+        full = out.new_zeros(x.shape[0], out.shape[-1])
+        full[self.rows] = out
+        return (full, *rest) if rest else full
+
+
 class EagleTreeProposer(StepBound, EagleProposer):
     """vLLM's ``EagleProposer`` with the plugin's draft model and tree drafting; ``propose``
     drafts for the step it is ``bound_to``."""
@@ -139,18 +182,24 @@ class EagleTreeProposer(StepBound, EagleProposer):
         step = self._step
         assert step is not None, "propose runs inside bound_to(step)"
         batch_size = common_attn_metadata.batch_size()
+        cfg = self.eagle_config
+        passes, nodes = step.planned_size or (cfg.num_speculative_tokens, cfg.total_tokens)
+        nodes = min(nodes, int(num_speculative_tokens) + 1)
+        drafting = nodes > 1 and passes > 0  # else the first pass only writes draft KV
+
+        def outputs_only_at(rows: torch.Tensor):
+            return self._last_layer_outputs_only_at(rows if drafting else rows[:0])
+
         # EAGLE-3: the target's layers, concatenated by vLLM's runner, fused by fc
         target_hidden_states = self.model.draft_features(target_hidden_states)
         last_hidden, hidden, token_indices_to_sample, cad = vllm_surface.first_pass_forward(
-            self, target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            self, outputs_only_at=outputs_only_at,
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
             target_positions=target_positions, target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )  # fmt: skip
-        cfg = self.eagle_config
-        passes, nodes = step.planned_size or (cfg.num_speculative_tokens, cfg.total_tokens)
-        nodes = min(nodes, int(num_speculative_tokens) + 1)
-        if nodes <= 1 or passes == 0:
+        if not drafting:
             step.drafted, step.drafted_size = None, (0, 1)
             return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
 
@@ -308,21 +357,42 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
     @torch.inference_mode()
     def forward_runs(self, tokens, features, positions, block_table, starts, mask):
-        """The draft layers over runs of positions (``deferred.py``): run r's positions
-        see the draft KV before ``starts[r]`` (paged cache) and the run's positions
-        ``mask`` allows. Returns each layer's attention module and the runs' K/V."""
+        """The draft layers' K/V over runs of positions (``deferred.py``): run r's
+        positions see the draft KV before ``starts[r]`` (paged cache) and the run's
+        positions ``mask`` allows. Returns each layer's attention module and the runs' K/V.
+
+        Only K/V are wanted, so the last layer stops once its K/V are known: its
+        attention, output projection and MLP, and its prefix read, are skipped (for a
+        one-layer head, all but fc and the K/V projection)."""
         device = features.device
         layers = self.draft_layers()
-        shims = self._prefix_attention_shims(layers, block_table, starts.to(device))
+        shims = self._prefix_attention_shims(layers[:-1], block_table, starts.to(device))
+        shims.append(_KVOnlyAttention(layers[-1].self_attn.attn, len(block_table)))
         for shim in shims:
             shim.mask = mask
-        with _swapped_attention(layers, shims):
+        with _swapped_attention(layers, shims), contextlib.suppress(_KVCaptured):
             self.model.decode(
                 tokens.to(device).reshape(-1),
                 features.reshape(-1, features.shape[-1]),
                 positions.to(device).reshape(-1),
             )
         return [(layer.self_attn.attn, (s.node_k, s.node_v)) for layer, s in zip(layers, shims)]
+
+    @contextlib.contextmanager
+    def _last_layer_outputs_only_at(self, rows: torch.Tensor):
+        """The first pass reads the draft's output at one row per request (``rows``) but
+        writes the KV of every row (a prompt's, or all verified nodes'): the last layer's
+        output projection and MLP run on ``rows`` only (other rows' outputs are zeros)."""
+        layer = self.draft_layers()[-1]
+        attention = layer.self_attn
+        o_proj, mlp = attention.o_proj, layer.mlp
+        hidden_size = self.model.config.hidden_size
+        attention.o_proj = _AtRows(o_proj, rows, hidden_size)
+        layer.mlp = _AtRows(mlp, rows, hidden_size)
+        try:
+            yield
+        finally:
+            attention.o_proj, layer.mlp = o_proj, mlp
 
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):
         """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids."""
