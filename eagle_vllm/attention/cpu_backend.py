@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from eagle_vllm.attention import cpu_tree_op
-from eagle_vllm.attention.paged_kv import check_cpu_isa, cpu_kv_views
+from eagle_vllm.attention.paged_kv import check_cpu_isa, cpu_kv_blocks
 from eagle_vllm.vllm_surface import tree_batch_of
 
 
@@ -48,7 +48,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         node_k = key.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
         node_v = value.view(num_tokens, hkv, d).index_select(0, plan.rows).view(r, n, hkv, d)
         batch.captured_kv[layer.layer_name] = (node_k, node_v)
-        fused = cpu_tree_op.load()
+        # the fused op reads the prefix in place in the 'vec' layouts; AMX's prepacked
+        # bf16 blocks go through the torch path
+        fused = cpu_tree_op.load() if layer.isa != "amx" else None
         if fused is not None:  # one C++ call: the prefix is read in place from the cache
             fused(
                 query.view(num_tokens, hq, d),
@@ -67,16 +69,16 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         # The torch path. index_select, and one copy into place per tensor (the prefix
         # spans whole blocks): on this CPU its cost was mostly copies and per-op overhead
         # (advanced indexing, permute-reshape, cat), not SDPA's arithmetic
-        k_t, v_blocks = cpu_kv_views(kv_cache)  # [blk, H, D, off], [blk, H, off, D]
+        block_k, block_v = cpu_kv_blocks(kv_cache, plan.blocks, layer.isa)  # [blk, H, off, D]
         nb, bs = plan.num_blocks, kv_cache.shape[2]
         span = nb * bs
         keys = torch.empty(r, hkv, span + n, d, dtype=query.dtype)
         values = torch.empty_like(keys)
         keys[:, :, :span].view(r, hkv, nb, bs, d).copy_(
-            k_t.index_select(0, plan.blocks).view(r, nb, hkv, d, bs).permute(0, 2, 1, 4, 3)
+            block_k.view(r, nb, hkv, bs, d).transpose(1, 2)
         )
         values[:, :, :span].view(r, hkv, nb, bs, d).copy_(
-            v_blocks.index_select(0, plan.blocks).view(r, nb, hkv, bs, d).permute(0, 2, 1, 3, 4)
+            block_v.view(r, nb, hkv, bs, d).transpose(1, 2)
         )
         keys[:, :, span:].copy_(node_k.transpose(1, 2))
         values[:, :, span:].copy_(node_v.transpose(1, 2))

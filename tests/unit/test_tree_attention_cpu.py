@@ -45,14 +45,17 @@ def tree_attention_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "num_nodes, prefixes, block, dtype, head",
+    "num_nodes, prefixes, block, dtype, head, isa",
     [
-        ([5, 5], [40, 17], 16, torch.float32, D),
-        ([7, 2, 4], [3, 50, 33], 16, torch.float32, D),
-        ([16, 1], [0, 200], 32, torch.float32, D),  # no prefix; a chain of one; ISA "vec"
-        ([4, 6], [70, 129], 32, torch.bfloat16, D),
-        ([9], [150], 32, torch.float32, D),  # one tree: its nodes are split between threads
-        ([11, 3], [77, 20], 16, torch.float32, 80),  # a head of 2.5 vectors: masked tails
+        ([5, 5], [40, 17], 16, torch.float32, D, None),
+        ([7, 2, 4], [3, 50, 33], 16, torch.float32, D, None),
+        ([16, 1], [0, 200], 32, torch.float32, D, None),  # no prefix; a chain of one; "vec"
+        ([4, 6], [70, 129], 32, torch.bfloat16, D, None),
+        ([9], [150], 32, torch.float32, D, None),  # one tree: its nodes split between threads
+        ([11, 3], [77, 20], 16, torch.float32, 80, None),  # a head of 2.5 vectors: tails
+        # bf16 on an AMX CPU: the prepacked layout, whatever this machine picks itself
+        ([4, 6], [70, 129], 32, torch.bfloat16, D, "amx"),
+        ([16, 2], [5, 300], 64, torch.bfloat16, 128, "amx"),
     ],
 )
 def test_tree_rows_match_the_reference(
@@ -61,6 +64,7 @@ def test_tree_rows_match_the_reference(
     block: int,
     dtype,
     head: int,
+    isa: str | None,
     tree_attention_path: str,
 ):
     from vllm import _custom_ops as ops
@@ -73,8 +77,8 @@ def test_tree_rows_match_the_reference(
 
     gen = torch.Generator().manual_seed(sum(num_nodes) + sum(prefixes))
     r, width = len(num_nodes), max(num_nodes)
-    isa = _get_attn_isa(dtype, block, head)
-    if isa not in SUPPORTED_CPU_ISAS:  # e.g. bf16 on an AMX CPU: prepacked, not read
+    isa = isa or _get_attn_isa(dtype, block, head)
+    if isa not in SUPPORTED_CPU_ISAS:  # e.g. NEON: another layout, not read
         with pytest.raises(NotImplementedError, match="Fix: run with dtype float32"):
             check_cpu_isa(isa)
         return
@@ -125,7 +129,7 @@ def test_tree_rows_match_the_reference(
 
     mask = batch.ancestor_mask()
     for b, (n, p) in enumerate(zip(num_nodes, prefixes)):
-        pk, pv = gather_cpu_kv(kv_cache, block_table[b : b + 1], p)
+        pk, pv = gather_cpu_kv(kv_cache, block_table[b : b + 1], p, isa)
         rows = slice(int(root_index[b]), int(root_index[b]) + n)
         f32 = (query[None, rows], pk, pv, key[None, rows], value[None, rows])
         q, pk, pv, k, v = (x.float() for x in f32)
@@ -140,4 +144,4 @@ def test_tree_rows_match_the_reference(
     assert not output.isnan().any()  # every row is a tree row, and every one was written
     # the torch path's additive mask (R x N x prefix span) is built only where it is used
     plan = batch.attention_plan(dtype, block)
-    assert ("mask" in vars(plan)) == (tree_attention_path == "torch")
+    assert ("mask" in vars(plan)) == (tree_attention_path == "torch" or isa == "amx")
