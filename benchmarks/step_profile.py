@@ -403,6 +403,7 @@ def cprofile(args, argv: list[str] | None) -> int:
 ARMS_DOC = """What each of the auto sizer's arms costs per step, phase by phase, in one engine.
 
     .venv/bin/python benchmarks/step_profile.py arms --arms 0,1 1,2 1,3 1,4 2,9 2,16 4,16
+    .venv/bin/python benchmarks/step_profile.py arms --arms 1,4 4,16 --first-pass both
 
 One in-process fp32 eager engine serving ``configs/eagle2-auto.yaml`` (or
 ``--auto-config``); for each arm ``passes,nodes`` in turn the sizer is pinned to it
@@ -428,6 +429,19 @@ def _pin_arm(worker, arm: tuple[int, int]) -> bool:
     return True
 
 
+def _set_first_pass(worker, full: bool) -> bool:
+    """Run on the worker: ``full`` makes the drafter's first pass run the last draft layer
+    on every row, as before it ran only at the rows read (``--first-pass both``)."""
+    import contextlib
+
+    drafter = worker.model_runner.drafter
+    if full:
+        drafter._last_layer_outputs_only_at = lambda rows: contextlib.nullcontext()
+    else:
+        vars(drafter).pop("_last_layer_outputs_only_at", None)
+    return True
+
+
 def add_arms_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", nargs="+", default=["0,1", "1,2", "1,3", "1,4", "2,9", "2,16"],
                    help="passes,nodes pairs (the sizer's arms)")  # fmt: skip
@@ -437,6 +451,10 @@ def add_arms_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--profile", nargs="*", default=[], help="arms to profile (torch.profiler)")
     p.add_argument("--top", type=int, default=25, help="ops per profile")
+    p.add_argument("--first-pass", choices=("trimmed", "full", "both"), default="trimmed",
+                   help="the drafter's first pass: the last layer at the rows read only "
+                        "(trimmed, the plugin's), at every row (full), or each arm both "
+                        "ways in turn (an A/B in one engine)")  # fmt: skip
 
 
 def arms(args, argv: list[str] | None) -> int:
@@ -455,9 +473,13 @@ def arms(args, argv: list[str] | None) -> int:
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
-    print("arm (passes, nodes), rep: tok/s | steps | ms/step | runner phases, ms/step")
+    modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
+    print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
+          "runner phases, ms/step")  # fmt: skip
     for rep in range(args.reps):
-        for arm in swept:
+        order = modes if rep % 2 == 0 else modes[::-1]  # neither always runs first
+        for arm, mode in ((a, m) for a in swept for m in order):
+            llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
             start = time.perf_counter()
@@ -469,7 +491,8 @@ def arms(args, argv: list[str] | None) -> int:
             split = " ".join(
                 f"{name}={1e3 * v['seconds'] / steps:.1f}" for name, v in sorted(phases.items())
             )
-            print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | "
+            label = f", {mode}" if len(modes) > 1 else ""
+            print(f"{arm}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
                   f"{1e3 * seconds / steps:.1f} | {split}", flush=True)  # fmt: skip
     for arm in profiled:
         from torch.profiler import profile
