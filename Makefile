@@ -111,7 +111,7 @@ E3_HEAD := heads/smollm2-135m-instruct-eagle3
 E3_STAGE1 := artifacts/eagle3-stage1
 E3_FEATURES := artifacts/eagle3-features
 E3_STAGE1_STEPS := 1100
-E3_HEAD_STEPS := 500
+E3_HEAD_STEPS := 300
 E3_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct --features-dir $(E3_FEATURES) \
 	--data sharegpt --num-conversations 4736 --max-len 1024 \
 	--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
