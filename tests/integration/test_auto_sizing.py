@@ -23,8 +23,9 @@ def vanilla(tiny):
     return out
 
 
-@pytest.mark.parametrize("method,extra", [("eagle2", {"topk": 3}), ("eagle", {})])
-def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
+def _run_auto(tiny, method: str, extra: dict):
+    """Greedy outputs (9 prompts in a batch, then 3 alone), the sizer's table and vLLM's
+    spec-decode counters of an engine with ``total_tokens: auto``."""
     from eagle_vllm import LLM
 
     spec = {
@@ -40,6 +41,12 @@ def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
     sizing = llm.collective_rpc("eagle_vllm_sizing")[0]
     metrics = spec_metrics(llm)
     shutdown(llm)
+    return got_batch, got_single, sizing, metrics
+
+
+@pytest.mark.parametrize("method,extra", [("eagle2", {"topk": 3}), ("eagle", {})])
+def test_auto_sizing_is_exact_across_size_changes(tiny, vanilla, method, extra):
+    got_batch, got_single, sizing, metrics = _run_auto(tiny, method, extra)
     assert got_batch == vanilla["batch"]
     assert got_single == vanilla["single"]
     arms = [tuple(a) for a in sizing["arms"]]
@@ -81,7 +88,6 @@ def test_every_size_in_turn_is_exact(tiny, vanilla, method, extra, monkeypatch):
     draft KV, caught up many positions at once) between trees of every size."""
     import random
 
-    from eagle_vllm import LLM
     from eagle_vllm.sizing.policy import TreeSizer
 
     rng = random.Random(0)
@@ -95,18 +101,7 @@ def test_every_size_in_turn_is_exact(tiny, vanilla, method, extra, monkeypatch):
 
     # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     monkeypatch.setattr(TreeSizer, "decide", walk)
-    spec = {
-        "method": method,
-        "model": str(tiny["draft_noisy"]),
-        "num_speculative_tokens": 3,
-        "total_tokens": "auto",
-        **extra,
-    }
-    llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
-    got_batch = token_ids(llm.generate(PROMPTS, greedy()))
-    got_single = [token_ids(llm.generate([p], greedy()))[0] for p in PROMPTS[:3]]
-    sizing = llm.collective_rpc("eagle_vllm_sizing")[0]
-    shutdown(llm)
+    got_batch, got_single, sizing, _ = _run_auto(tiny, method, extra)
     assert got_batch == vanilla["batch"]
     assert got_single == vanilla["single"]
     arms = {tuple(a) for a in sizing["arms"]}
