@@ -75,23 +75,15 @@ def gather_cpu_kv(
     Positions at or past a request's own length hold whatever the cache has
     there; callers mask them.
     """
-    if isa != "amx":  # strided views: one copy, in the final permute
-        k_t, v = cpu_kv_views(kv_cache)
     bs = kv_cache.shape[2]
     num_blocks = max(1, -(-max_len // bs))
     blocks = block_table[:, :num_blocks].long()
     batch = blocks.shape[0]
-    if isa == "amx":
-        k, v = cpu_kv_blocks(kv_cache, blocks.reshape(-1), isa)  # [B*nblk, H, bs, D]
-        h, d = k.shape[1], k.shape[3]
-        keys = k.view(batch, num_blocks, h, bs, d).permute(0, 1, 3, 2, 4)
-        values = v.view(batch, num_blocks, h, bs, d).permute(0, 1, 3, 2, 4)
-        keys = keys.reshape(batch, num_blocks * bs, h, d)
-        values = values.reshape(batch, num_blocks * bs, h, d)
-        return keys[:, :max_len], values[:, :max_len]
-    # [B, nblk, H, D, bs] -> [B, nblk, bs, H, D]
-    keys = k_t[blocks].permute(0, 1, 4, 2, 3).reshape(batch, num_blocks * bs, *k_t.shape[1:3])
-    values = (
-        v[blocks].permute(0, 1, 3, 2, 4).reshape(batch, num_blocks * bs, v.shape[1], v.shape[3])
-    )
+    k, v = cpu_kv_blocks(kv_cache, blocks.reshape(-1), isa)  # [B*nblk, H, bs, D]
+    h, d = k.shape[1], k.shape[3]
+    # [B, nblk, H, bs, D] -> [B, nblk, bs, H, D]
+    keys = k.view(batch, num_blocks, h, bs, d).permute(0, 1, 3, 2, 4)
+    values = v.view(batch, num_blocks, h, bs, d).permute(0, 1, 3, 2, 4)
+    keys = keys.reshape(batch, num_blocks * bs, h, d)
+    values = values.reshape(batch, num_blocks * bs, h, d)
     return keys[:, :max_len], values[:, :max_len]

@@ -61,10 +61,9 @@ class CPUTreePlatform(TreePlatform):
         cpu_tree_op.load()
 
     def gather_prefix_kv(self, attn_layer, block_table, max_len):
-        from eagle_vllm.attention.paged_kv import check_cpu_isa, gather_cpu_kv
+        from eagle_vllm.attention.paged_kv import gather_cpu_kv  # checks the layout
 
         isa = vllm_surface.attention_isa(attn_layer)
-        check_cpu_isa(isa)
         return gather_cpu_kv(vllm_surface.kv_cache_of(attn_layer), block_table, max_len, isa)
 
 
