@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     shutdown,
     sizer_bucket,
     sizing_table,
+    suffix_stats,
     write_results,
 )
 
@@ -412,7 +413,9 @@ first turns are decoded to ``--max-tokens``. Prints, per arm and repetition, out
 tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
 (``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
 the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
-K/V moves). Rounds interleave the arms, since this machine drifts. ``--profile
+K/V moves). Every run starts with the suffix source's response cache emptied, so a
+prompt decoded by an earlier arm is not drafted from its own past answer. Rounds
+interleave the arms, since this machine drifts. ``--profile
 passes,nodes`` also runs that arm once more under ``torch.profiler`` and prints the
 ops that took the most time (self CPU), with their calls: where a tree's extra nodes
 cost time over a chain's (at batch 1, the CPU tree attention, ``attention/cpu_backend.py``).
@@ -482,6 +485,7 @@ def arms(args, argv: list[str] | None) -> int:
             llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
+            suffix_stats(llm, clear_cache=True)  # every run drafts from an empty response cache
             start = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
             seconds = time.perf_counter() - start

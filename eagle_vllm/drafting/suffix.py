@@ -833,6 +833,8 @@ class GlobalSuffixCache:
         self._next_uid = 0
         self._tokens = 0
         self._seed: SuffixIndex | None = None
+        # bumped by clear(): responses of requests begun before it are not cached
+        self.generation = 0
 
     def __len__(self) -> int:
         """Cached responses (the seed corpus not included)."""
@@ -886,7 +888,11 @@ class GlobalSuffixCache:
             del self._indexes[key], self._per_key[key]
 
     def clear(self) -> None:
-        """Drop every cached response (the seed corpus stays)."""
+        """Drop every cached response, and the responses of requests already running
+        (:class:`RequestSuffixes` caches a response only if its request began after the
+        last clear: a finish can be reported a step after the request's last token).
+        The seed corpus stays."""
+        self.generation += 1
         self._indexes.clear()
         self._fifo.clear()
         self._per_key.clear()
@@ -929,6 +935,7 @@ class _Request:
     index: SuffixIndex
     prompt_len: int
     key: CacheKey
+    generation: int  # the global cache's, when the request began
 
 
 class RequestSuffixes:
@@ -967,7 +974,8 @@ class RequestSuffixes:
             raise KeyError(f"request {req_id!r} is already indexed")
         index = SuffixIndex(self.max_len)
         index.extend(0, prompt_ids)
-        self._reqs[req_id] = _Request(index, len(prompt_ids), cache_key)
+        generation = self.global_cache.generation if self.global_cache is not None else 0
+        self._reqs[req_id] = _Request(index, len(prompt_ids), cache_key, generation)
 
     def extend(self, req_id: Hashable, new_ids: Sequence[int]) -> None:
         """Append accepted tokens; costs O(max_len) per token at most, whatever the length."""
@@ -981,7 +989,7 @@ class RequestSuffixes:
         """Drop the request; its response (the tokens after the prompt, the first
         ``response_len`` of them if given) is cached globally under its key."""
         req = self._reqs.pop(req_id)
-        if self.global_cache is not None:
+        if self.global_cache is not None and req.generation == self.global_cache.generation:
             response = req.index.sequence(0)[req.prompt_len :]
             if response_len is not None:
                 response = response[: max(0, response_len)]

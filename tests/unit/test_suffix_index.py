@@ -390,6 +390,21 @@ def test_clear_drops_responses_and_keeps_the_seed():
     assert cache.responses(("s", None)) == [[5, 6]]
 
 
+def test_clear_also_drops_responses_of_requests_running_through_it():
+    # vLLM reports a finish one step after the request's last token, so a request that
+    # ended before a clear can still be finishing after it: its response must not return
+    cache = GlobalSuffixCache(4, max_len=4)
+    reqs = RequestSuffixes(cache)
+    reqs.add_request("old", [1], ("s", None))
+    reqs.extend("old", [7, 8])
+    cache.clear()
+    reqs.add_request("new", [1], ("s", None))
+    reqs.extend("new", [5, 6])
+    reqs.finish("old")
+    reqs.finish("new")
+    assert cache.responses(("s", None)) == [[5, 6]]
+
+
 # --------------------------------------------------------------------------- candidates
 @st.composite
 def repetitive(draw, alphabet: int = 3, max_size: int = 40) -> list[int]:
