@@ -233,13 +233,15 @@ def ttt_row_losses(
     hidden: list[torch.Tensor] | None = None,
     target_hidden: torch.Tensor | None = None,
     feature_weight: float = 0.0,
+    loss_steps: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The training-time-test loss on the loss rows only. ``rows = (batch, j)``: the M
     target rows with a loss (assistant input token, target argmax in the draft vocabulary);
     ``target_logp [M, V']``, ``target_column [M]`` (and ``target_hidden [M, H]``) there.
     Step s scores row j from its output at row j - s: ``project(outputs[s][b, j - s])``
     gives the logits, so the LM head and the softmax run on M rows per step, not on every
-    position of the batch."""
+    position of the batch. Steps from ``loss_steps`` on (None: none) are scored, not
+    trained: their accuracy and CE are reported, and the loss leaves them out."""
     batch, j = rows
     total = target_logp.new_zeros(())
     parts: dict[str, torch.Tensor] = {}
@@ -260,8 +262,9 @@ def ttt_row_losses(
         if feature_weight and hidden is not None and target_hidden is not None:
             mine = hidden[s][at].float()
             loss = loss + feature_weight * F.smooth_l1_loss(mine, target_hidden[keep].float())
-        total = total + decay**s * loss
-        weight_sum += decay**s
+        if loss_steps is None or s < loss_steps:
+            total = total + decay**s * loss
+            weight_sum += decay**s
         with torch.no_grad():
             parts[f"acc_{s + 1}"] = (logp.argmax(-1) == col).float().mean()
             parts[f"ce_{s + 1}"] = ce.detach()
@@ -455,14 +458,15 @@ class Eagle3Trainer(Trainer):
             target_last, self.target_lm_head, self.vocab_ids,
             argmax=torch.cat([self._target_argmax(examples[i]) for i in indices]),
         )  # fmt: skip
-        outputs = self.model.unroll_outputs(lambda t: self.embed[t], ids, aux, self.cfg.ttt_steps)
+        steps = self.cfg.ttt_steps if train else max(self.cfg.ttt_steps, self.cfg.eval_ttt_steps)
+        outputs = self.model.unroll_outputs(lambda t: self.embed[t], ids, aux, steps)
         feature_term = bool(self.cfg.ttt_feature_weight)
         return ttt_row_losses(
             outputs, self.model.lm_head, (vb[in_vocab], vj[in_vocab]), logp[in_vocab],
             column[in_vocab], decay=self.cfg.ttt_decay, topk=self.cfg.ttt_topk,
             topk_weight=self.cfg.ttt_topk_weight, hidden=outputs if feature_term else None,
             target_hidden=target_last[in_vocab] if feature_term else None,
-            feature_weight=self.cfg.ttt_feature_weight,
+            feature_weight=self.cfg.ttt_feature_weight, loss_steps=self.cfg.ttt_steps,
         )  # fmt: skip
 
     def _target_argmax(self, example: Example) -> torch.Tensor:

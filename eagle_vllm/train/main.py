@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="score the --init-from head (or OUT's saved state) on the validation split, "
+        "print the metrics per unrolled step (--eval-ttt-steps) as JSON, and stop",
+    )
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -193,13 +199,18 @@ def run(args: argparse.Namespace) -> Path:
             for f in fields(TrainConfig)
         }
     )
-    (out / "train_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+    if not args.evaluate_only:
+        (out / "train_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
     if layers is None:
         trainer = Trainer(args.target, load_features(cache), out, config)
     else:
         from eagle_vllm.train.eagle3 import Eagle3Trainer, plot_eagle3_curves
 
         trainer = Eagle3Trainer(args.target, load_features(cache), out, config, layers)
+    if args.evaluate_only:
+        print(json.dumps({"evaluated": args.init_from or str(out), **trainer.evaluate()}),
+              flush=True)  # fmt: skip
+        return out
     last = trainer.fit()
     trainer.export(args.export_dtype)
     (plot_curves if layers is None else plot_eagle3_curves)(

@@ -75,6 +75,9 @@ class TrainConfig:
     ttt_topk_weight: float = 0.0
     ttt_feature_weight: float = 0.0
     ttt_freeze_lm_head: bool = False
+    # validation unrolls at least this many steps: accuracy per step beyond the trained
+    # ones (the validation loss stays over ttt_steps, comparable with the training loss)
+    eval_ttt_steps: int = 4
     # a warm start: the weights of an exported head of the same kind (a new optimiser and
     # schedule); "" = the usual initialisation
     init_from: str = ""
@@ -273,7 +276,8 @@ class Trainer:
         state = torch.load(state_path, weights_only=False)
         if state["config"] != asdict(self.cfg):
             changed = {k for k in state["config"] if state["config"][k] != asdict(self.cfg).get(k)}
-            harmless = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every"}
+            harmless = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every",
+                        "eval_ttt_steps"}  # fmt: skip
             if changed - harmless:
                 raise ValueError(
                     f"'{state_path}' was written with other settings ({sorted(changed)}). "

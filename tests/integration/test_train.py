@@ -157,9 +157,12 @@ def _write_target_conversations(chat_target, path, rng) -> None:
     )
 
 
-def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(chat_target, tmp_path):
+def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(
+    chat_target, tmp_path, capsys
+):
     """--arch eagle3: features of target layers (0, 1), a 3-step training-time test over a
-    200-token draft vocabulary; the loss falls, per-step accuracy is logged, and the
+    200-token draft vocabulary; the loss falls, per-step accuracy is logged (validation to
+    step 4), ``--evaluate-only`` scores the exported head as training last did, and the
     speculators-format export drafts in the plugin's tree and in stock vLLM's eagle3 chain
     (the same chain, the same tau), both giving the target's greedy output."""
     from vllm import SamplingParams
@@ -172,19 +175,28 @@ def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(chat_tar
     data = tmp_path / "conversations.jsonl"
     _write_target_conversations(chat_target, data, rng)
     out = tmp_path / "head3"
-    train_main(
-        ["--arch", "eagle3", "--aux-layers", "0,1", "--ttt-steps", "3", "--ce-vocab", "200",
-         "--target", str(chat_target), "--out", str(out), "--data", str(data),
-         "--num-conversations", "48", "--max-steps", "60", "--lr", "3e-3",
-         "--warmup-steps", "5", "--tokens-per-batch", "512", "--eval-every", "30",
-         "--log-every", "1", "--save-every", "30", "--feature-dtype", "float32",
-         "--export-dtype", "float32", "--val-fraction", "0.1", "--noise", "none"]
-    )  # fmt: skip
+    args = ["--arch", "eagle3", "--aux-layers", "0,1", "--ttt-steps", "3", "--ce-vocab", "200",
+            "--target", str(chat_target), "--data", str(data),
+            "--num-conversations", "48", "--max-steps", "60", "--lr", "3e-3",
+            "--warmup-steps", "5", "--tokens-per-batch", "512", "--eval-every", "30",
+            "--log-every", "1", "--save-every", "30", "--feature-dtype", "float32",
+            "--export-dtype", "float32", "--val-fraction", "0.1", "--noise", "none",
+            "--features-dir", str(tmp_path / "features")]  # fmt: skip
+    train_main([*args, "--out", str(out)])
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     first, last = log[0], log[-1]
     assert last["step"] == 60 and last["loss"] < 0.5 * first["loss"], (first, last)
-    assert {"val_acc_1", "val_acc_2", "val_acc_3"} <= set(last), last
+    assert {"val_acc_1", "val_acc_2", "val_acc_3", "val_acc_4"} <= set(last), last
     assert last["val_acc_1"] > 0.5, last
+    capsys.readouterr()
+    scratch = tmp_path / "evaluate"
+    scratch.mkdir()
+    (scratch / "conversations.jsonl").write_text((out / "conversations.jsonl").read_text())
+    train_main([*args, "--out", str(scratch), "--init-from", str(out), "--evaluate-only"])
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("val_loss", "val_acc_1", "val_acc_4"):
+        assert scored[key] == pytest.approx(last[key], abs=1e-4), (key, scored, last)
+    assert not (scratch / "train_log.jsonl").exists()
     assert (out / "training_curves.png").stat().st_size > 1000
     info = inspect_draft_checkpoint(str(out))
     assert info.head_type == "eagle3" and info.speculators_format

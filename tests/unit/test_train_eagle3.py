@@ -229,6 +229,28 @@ def test_trainer_with_frozen_lm_head_trains_the_rest(tmp_path):
     assert torch.isfinite(torch.tensor(last["loss"])) and "val_acc_2" in last
 
 
+def test_validation_scores_steps_beyond_the_trained_ones(tmp_path):
+    """Validation unrolls eval_ttt_steps (4) steps when training unrolls fewer: it reports
+    accuracy at every step, and its loss is still over the trained steps only."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = _synthetic_examples(hidden, count=40)
+    scores = {}
+    for eval_steps in (2, 4):
+        cfg = TrainConfig(ce_vocab=64, ttt_steps=2, eval_ttt_steps=eval_steps, noise="none",
+                          val_fraction=0.25)  # fmt: skip
+        trainer = Eagle3Trainer(target, examples, tmp_path / f"out{eval_steps}", cfg, (0, 1))
+        scores[eval_steps] = trainer.evaluate()
+    assert "val_acc_3" not in scores[2] and "val_acc_4" in scores[4]
+    for key in ("val_loss", "val_acc_1", "val_acc_2", "val_ce_2"):
+        assert scores[4][key] == pytest.approx(scores[2][key], rel=1e-5), key
+
+
 def test_trainer_row_losses_equal_the_dense_loss(tmp_path):
     """The trainer runs both LM heads and the softmaxes on the loss rows only; the loss,
     its gradient and the per-step accuracies equal the dense form (every position scored,
