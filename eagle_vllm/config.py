@@ -21,7 +21,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 ADDITIONAL_CONFIG_KEY = "eagle_vllm"
 WORKER_CLS = "eagle_vllm.engine.worker.EagleWorker"
@@ -120,6 +123,9 @@ class EagleSpecConfig:
     # the head's type, read from its checkpoint (models/checkpoint.py): "eagle1" drafts
     # from the target's last layer, "eagle3" from several layers fused by its fc
     head_type: str = "eagle1"
+    # the draft's GEMMs: "model" (the target's dtype), "bfloat16", or "auto" (bfloat16 on
+    # a CPU with AVX-512 BF16 or AMX under a float32 target); models/draft_precision.py
+    draft_dtype: str = "model"
 
     @property
     def uses_head(self) -> bool:
@@ -202,7 +208,30 @@ _ALLOWED_KEYS = {
     "sizing_profile": (str, os.PathLike),
     # model-free suffix-tree candidates (SuffixConfig, SUFFIX_KEYS)
     "suffix": (dict,),
+    # the draft's GEMMs: model, bfloat16 or auto (DRAFT_DTYPES)
+    "draft_dtype": (str,),
 }
+DRAFT_DTYPES = ("model", "bfloat16", "auto")
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX tiles)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def check_draft_dtype(value: str, on_cpu: bool) -> None:
+    """``draft_dtype`` is known, and bfloat16 is only asked of a CPU that has bf16 GEMMs."""
+    if value not in DRAFT_DTYPES:
+        raise _fail("draft_dtype", f"unknown value '{value}'", f"use one of {list(DRAFT_DTYPES)}")
+    if value == "bfloat16" and on_cpu and not cpu_has_bf16_gemm():
+        raise _fail(
+            "draft_dtype",
+            "bfloat16 needs a CPU with AVX-512 BF16 or AMX, and this one has neither "
+            "(its bf16 GEMMs cost more than float32 ones)",
+            "use draft_dtype: auto (bfloat16 where it pays) or model",
+        )
 
 
 def _fail(key: str, problem: str, fix: str) -> EagleConfigError:
@@ -429,7 +458,10 @@ def parse_speculative_config(
             "use method 'eagle' (the chain runs either head type) or an EAGLE-3 checkpoint",
         )
     draft_vocab = _resolve_draft_vocab(data.get("draft_vocab", "auto"), info)
+    draft_dtype = data.get("draft_dtype", "model")
+    check_draft_dtype(draft_dtype, on_cpu=not _has_cuda())
     cfg = EagleSpecConfig(
+        draft_dtype=draft_dtype,
         head_type=info.head_type,
         draft_vocab=draft_vocab,
         method=method,
@@ -504,6 +536,7 @@ def _parse_model_free(data: dict[str, Any], suffix: SuffixConfig | None,
         ("sizing_profile", "drop it: method 'suffix' has no load-aware sizing"),
         ("draft_sample_method", "drop it: suffix drafts are deterministic"),
         ("draft_vocab", "drop it: there is no head"),
+        ("draft_dtype", "drop it: there is no head"),
     ):  # fmt: skip
         if key in data:
             raise _fail(key, "does not apply to method 'suffix'", fix)
@@ -550,6 +583,27 @@ def _read_sizing_profile(
             "sizing_profile", f"'{path}': {problem}", fix or "use `eagle-vllm calibrate`"
         ) from None
     return profile
+
+
+def resolve_draft_dtype(
+    value: str, model_dtype: torch.dtype, device_type: str
+) -> torch.dtype | None:
+    """The dtype the draft's GEMMs run in (``draft_dtype`` on a worker whose model runs in
+    ``model_dtype`` on ``device_type``), or None for the model's own."""
+    import torch
+
+    check_draft_dtype(value, on_cpu=device_type == "cpu")
+    if value == "model" or model_dtype == torch.bfloat16:
+        return None
+    if value == "auto":
+        return torch.bfloat16 if device_type == "cpu" and cpu_has_bf16_gemm() else None
+    return torch.bfloat16
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _resolve_draft_vocab(value: str | int, info) -> int:

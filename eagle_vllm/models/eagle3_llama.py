@@ -25,6 +25,8 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+from eagle_vllm.models.draft_precision import draft_gemm_dtype, run_gemms_in
+
 ARCHITECTURE3 = "EagleVllmEagle3LlamaForCausalLM"
 
 
@@ -34,6 +36,11 @@ class EagleVllmEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._column_ids: torch.Tensor | None = None
+        # draft_dtype: the head's linear layers and its own LM head (vLLM swaps in the
+        # target's when the checkpoint has none, and that one stays in the target's dtype)
+        self.gemm_dtype = draft_gemm_dtype(vllm_config)
+        if self.gemm_dtype is not None:
+            run_gemms_in(self.gemm_dtype, self.model.modules(), lm_head=self.lm_head)
 
     def draft_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, n*H] concatenated target layers -> [N, H] draft feature."""

@@ -26,6 +26,7 @@ from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 
 from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+from eagle_vllm.models.draft_precision import draft_gemm_dtype, run_gemms_in
 
 ARCHITECTURE = "EagleVllmLlamaForCausalLM"
 
@@ -54,6 +55,10 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
                 prefix=maybe_prefix(maybe_prefix(prefix, "model"), "fc"),
                 return_bias=False,
             )
+        # draft_dtype: the draft's own linear layers (not the shared embedding or LM head)
+        self.gemm_dtype = draft_gemm_dtype(vllm_config)
+        if self.gemm_dtype is not None:
+            run_gemms_in(self.gemm_dtype, self.model.modules())
 
     draft_lm_head: torch.Tensor | None = None
     draft_vocab_ids: torch.Tensor | None = None
@@ -72,9 +77,9 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
         rows[local] = weight[ids[local] - shard.org_vocab_start_index].detach()
         if get_tensor_model_parallel_world_size() > 1:
             rows = all_reduce(rows)  # each row is non-zero on exactly one rank
-        self.draft_lm_head = rows
+        self.draft_lm_head = rows if self.gemm_dtype is None else rows.to(self.gemm_dtype)
         self.draft_vocab_ids = ids
-        self._draft_head_gemm = _platform_gemm(rows)
+        self._draft_head_gemm = _platform_gemm(self.draft_lm_head)
 
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the drafting vocabulary and the token id of each column
@@ -121,12 +126,13 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
 
 def _platform_gemm(weight: torch.Tensor):
     """x -> x @ weight.T with the GEMM vLLM would pick for a linear layer on this platform
-    (on CPU: oneDNN, SGL or torch, by ISA and dtype; 0.32's dispatch_cpu_unquantized_gemm)."""
+    (on CPU: oneDNN, SGL or torch, by ISA and dtype; 0.32's dispatch_cpu_unquantized_gemm),
+    in the weight's dtype; the result comes back in x's."""
     if weight.device.type != "cpu":
-        return lambda x: torch.nn.functional.linear(x, weight)
+        return lambda x: torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     holder = torch.nn.Module()
     holder.weight = torch.nn.Parameter(weight, requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-    return lambda x: holder.cpu_linear(x.to(weight.dtype), holder.weight, None)
+    return lambda x: holder.cpu_linear(x.to(weight.dtype), holder.weight, None).to(x.dtype)

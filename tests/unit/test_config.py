@@ -608,6 +608,34 @@ def test_draft_vocab_auto_full_and_number(models, tmp_path):
     assert is_eagle_vllm_request({"method": "eagle", "draft_vocab": "full"})
 
 
+def test_draft_dtype_values_and_the_cpus_that_can_take_bfloat16(models, monkeypatch):
+    import eagle_vllm.config as config_module
+    from eagle_vllm.config import resolve_draft_dtype
+
+    base = {"method": "eagle2", "model": str(models["draft"])}
+    assert parse_speculative_config(base).draft_dtype == "model"
+    assert parse_speculative_config({**base, "draft_dtype": "auto"}).draft_dtype == "auto"
+    msg = parse_err({**base, "draft_dtype": "fp8"}, "draft_dtype")
+    assert "unknown value 'fp8'" in msg and "'bfloat16'" in msg
+    parse_err({"method": "suffix", "draft_dtype": "bfloat16"}, "draft_dtype")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: False)
+    monkeypatch.setattr(config_module, "_has_cuda", lambda: False)
+    msg = parse_err({**base, "draft_dtype": "bfloat16"}, "draft_dtype")
+    assert "AVX-512 BF16" in msg and "draft_dtype: auto" in msg
+    with pytest.raises(EagleConfigError, match="AVX-512 BF16"):
+        resolve_draft_dtype("bfloat16", fp32, "cpu")  # the worker checks again
+    assert resolve_draft_dtype("auto", fp32, "cpu") is None
+    assert resolve_draft_dtype("bfloat16", fp32, "cuda") is bf16
+    monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: True)
+    assert parse_speculative_config({**base, "draft_dtype": "bfloat16"}).draft_dtype == "bfloat16"
+    assert resolve_draft_dtype("auto", fp32, "cpu") is bf16
+    assert resolve_draft_dtype("bfloat16", fp32, "cpu") is bf16
+    assert resolve_draft_dtype("auto", fp32, "cuda") is None  # GPUs serve in bf16 anyway
+    assert resolve_draft_dtype("model", fp32, "cpu") is None
+    assert resolve_draft_dtype("bfloat16", bf16, "cpu") is None  # already bf16
+
+
 @pytest.mark.parametrize("ids", [[1, 1, 2], [0, 99999], [], "nope"])
 def test_bad_draft_vocab_file(models, tmp_path, ids):
     from eagle_vllm.models.checkpoint import DraftCheckpointError
