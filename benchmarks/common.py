@@ -139,30 +139,43 @@ def engine_kwargs(
     return kwargs
 
 
+def _edited_config(path: str, drop: str | None = None, draft_dtype: str | None = None) -> dict:
+    """The config file at ``path`` as a dict (its model path made absolute), without the
+    key ``drop`` and with ``draft_dtype`` set if given."""
+    import yaml
+
+    path = Path(path).resolve()
+    config = yaml.safe_load(path.read_text())
+    config.pop(drop, None)
+    if draft_dtype:
+        config["draft_dtype"] = draft_dtype
+    config["model"] = str((path.parent / config["model"]).resolve())
+    return config
+
+
 def build_engine(system: str, args, **kwargs):
     """The engine of one named system (``SYSTEMS``) on ``args.target``, built with
     ``kwargs`` (``engine_kwargs``). Reads from ``args`` what the system needs:
     ``eagle_config`` / ``eagle2_config`` / ``auto_config``, ``head`` / ``eagle3_head`` and
-    ``vllm_eagle_k`` (vllm-eagle / vllm-eagle3), ``ngram_k`` (ngram). Pinned systems (``PINS``) set
+    ``vllm_eagle_k`` (vllm-eagle / vllm-eagle3), ``ngram_k`` (ngram), and ``draft_dtype``
+    (if set, it overrides the plugin configs' key). Pinned systems (``PINS``) set
     ``EAGLE_VLLM_SIZER_PIN`` in this process's environment, which the engine (in this
     process or its child) reads."""
+    draft_dtype = getattr(args, "draft_dtype", None)
     if system == "eagle2-auto-nosuffix":  # --auto-config without its suffix section
-        import yaml
-
         from eagle_vllm import LLM
 
-        path = Path(args.auto_config).resolve()
-        config = yaml.safe_load(path.read_text())
-        config.pop("suffix", None)
-        config["model"] = str((path.parent / config["model"]).resolve())
+        config = _edited_config(args.auto_config, drop="suffix", draft_dtype=draft_dtype)
         return LLM(args.target, speculative_config=config, **kwargs)
     if system in PLUGIN_SYSTEMS or system in PINS:
         from eagle_vllm import LLM
 
         if PINS.get(system):
             os.environ["EAGLE_VLLM_SIZER_PIN"] = PINS[system]
-        config = PLUGIN_CONFIGS.get(system, "auto_config")
-        return LLM(args.target, speculative_config=getattr(args, config), **kwargs)
+        config = getattr(args, PLUGIN_CONFIGS.get(system, "auto_config"))
+        if draft_dtype:
+            config = _edited_config(config, draft_dtype=draft_dtype)
+        return LLM(args.target, speculative_config=config, **kwargs)
     import vllm
 
     if system == "vanilla":

@@ -66,6 +66,8 @@ CPROFILE_SYSTEMS = ("vanilla-timed", *PINS)  # off, one-draft, tree-1-4, tree-2-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
+    p.add_argument("--draft-dtype", default=None, choices=("model", "bfloat16", "auto"),
+                   help="override the config's draft_dtype (the draft's GEMMs)")  # fmt: skip
 
 
 def in_process_engine(system: str, args, concurrency: int):
