@@ -102,35 +102,40 @@ reference-head:
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3): the EAGLE-1 reference
 # head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
 # layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
-# vocabulary, steps of 4096 tokens, in two stages that share one feature cache: stage 1
-# (E3_STAGE1_STEPS at lr 6e-4, into E3_STAGE1), then stage 2 warm-started from it
-# (--init-from; E3_HEAD_STEPS at lr 3e-4, a new schedule). Exported in the speculators
-# format. Its log (E3_HEAD.log) records the extraction and training times;
-# benchmarks/train_cost.py measures the cost of each lever. Each stage is resumable.
+# vocabulary, steps of 4096 tokens, in three stages that share one feature cache, each
+# warm-started from the one before (--init-from: a new optimiser and schedule):
+# 1100 steps at lr 6e-4, 300 at 3e-4, 300 at 2e-4. Exported in the speculators format.
+# Its log (E3_HEAD.log) records the extraction and training times;
+# benchmarks/train_cost.py measures the cost of each lever. Each stage is resumable; a
+# finished earlier stage (its model.safetensors) is not rerun, the last one always is
+# (it resumes from its state.pt, or trains anew over the committed head).
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
-E3_STAGE1 := artifacts/eagle3-stage1
 E3_FEATURES := artifacts/eagle3-features
-E3_STAGE1_STEPS := 1100
-E3_HEAD_STEPS := 300
 E3_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct --features-dir $(E3_FEATURES) \
 	--data sharegpt --num-conversations 4736 --max-len 1024 \
 	--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
 	--ttt-steps 3 --ce-vocab 8192 --tokens-per-batch 4096 --noise none \
 	--eval-every 100 --save-every 50 --seed 0
+# $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last]): one stage into OUT, from INIT
+define e3_stage
+	mkdir -p $(1)
+	test -f $(1)/conversations.jsonl || cp artifacts/eagle3-stage1/conversations.jsonl $(1)/
+	$(if $(6),,test -f $(1)/model.safetensors ||) { $(VENV)/bin/eagle-vllm train $(E3_ARGS) --out $(1) \
+		--init-from $(5) --max-steps $(2) --lr $(3) --warmup-steps $(4) \
+		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
+	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
+endef
 eagle3-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
-	mkdir -p $(E3_STAGE1) $(E3_HEAD)
-	test -f $(E3_STAGE1)/conversations.partial.jsonl || \
-		cp $(REGEN_DATA)/conversations.partial.jsonl $(E3_STAGE1)/
-	test -f $(E3_STAGE1)/model.safetensors || { $(VENV)/bin/eagle-vllm train $(E3_ARGS) \
-		--out $(E3_STAGE1) --max-steps $(E3_STAGE1_STEPS) --lr 6e-4 --warmup-steps 50 \
+	mkdir -p artifacts/eagle3-stage1
+	test -f artifacts/eagle3-stage1/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl artifacts/eagle3-stage1/
+	test -f artifacts/eagle3-stage1/model.safetensors || { $(VENV)/bin/eagle-vllm train \
+		$(E3_ARGS) --out artifacts/eagle3-stage1 --max-steps 1100 --lr 6e-4 --warmup-steps 50 \
 		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
 	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
-	test -f $(E3_HEAD)/conversations.jsonl || cp $(E3_STAGE1)/conversations.jsonl $(E3_HEAD)/
-	{ $(VENV)/bin/eagle-vllm train $(E3_ARGS) --out $(E3_HEAD) --init-from $(E3_STAGE1) \
-		--max-steps $(E3_HEAD_STEPS) --lr 3e-4 --warmup-steps 20 \
-		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
-	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
+	$(call e3_stage,artifacts/eagle3-stage2,300,3e-4,20,artifacts/eagle3-stage1)
+	$(call e3_stage,$(E3_HEAD),300,2e-4,20,artifacts/eagle3-stage2,last)
 
 # The noise ablation: the first reference head's recipe (ShareGPT's own answers, 1000
 # conversations, 600 steps) without feature noise (train with 1 thread so it can run
