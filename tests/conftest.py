@@ -54,6 +54,20 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def vanilla_greedy(tiny) -> list[list[int]]:
+    """Stock vLLM's greedy output on ``tiny["target"]`` for ``test_eagle_chain.PROMPTS``
+    (``greedy()``: 64 tokens, ignore_eos): the reference every exactness test compares with."""
+    import vllm
+    from test_eagle_chain import PROMPTS, greedy, token_ids
+
+    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
+    try:
+        return token_ids(llm.generate(PROMPTS, greedy()))
+    finally:
+        shutdown(llm)
+
+
 def spec_metrics(llm) -> dict:
     """vLLM's own spec-decode counters of an LLM built with disable_log_stats=False."""
     out = {}

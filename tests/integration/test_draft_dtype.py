@@ -28,16 +28,6 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vanilla(tiny):
-    import vllm
-
-    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
-    out = token_ids(llm.generate(PROMPTS, greedy()))
-    shutdown(llm)
-    return out
-
-
-@pytest.fixture(scope="module")
 def heads(tiny, tmp_path_factory):
     """An EAGLE-1 head drafting over a reduced vocabulary (its own copy of the LM-head
     rows), and an EAGLE-3 head with its own 200-token LM head."""
@@ -74,7 +64,7 @@ def _gemm_dtypes(worker) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
-def test_bf16_draft_keeps_the_output_and_the_acceptance(tiny, heads, vanilla, head):
+def test_bf16_draft_keeps_the_output_and_the_acceptance(tiny, heads, vanilla_greedy, head):
     from eagle_vllm import LLM
 
     path, spec = heads[head]
@@ -91,7 +81,7 @@ def test_bf16_draft_keeps_the_output_and_the_acceptance(tiny, heads, vanilla, he
             dtypes[draft_dtype] = llm.collective_rpc(_gemm_dtypes)[0]
         finally:
             shutdown(llm)
-        assert out == vanilla, draft_dtype
+        assert out == vanilla_greedy, draft_dtype
     assert set(dtypes["model"].values()) == {"torch.float32"}, dtypes["model"]
     bf16 = dtypes["bfloat16"]
     gemms = {k: v for k, v in bf16.items() if k != "lm_head" or head == "eagle3"}

@@ -35,21 +35,11 @@ def heads(tiny, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def vanilla(tiny):
-    import vllm
-
-    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
-    out = token_ids(llm.generate(PROMPTS, greedy()))
-    shutdown(llm)
-    return out
-
-
 def _accepted_per_position(llm) -> list[int]:
     return list(spec_metrics(llm)["num_accepted_tokens_per_pos"])
 
 
-def test_plugin_chain_matches_stock_vllm_eagle3(tiny, heads, vanilla):
+def test_plugin_chain_matches_stock_vllm_eagle3(tiny, heads, vanilla_greedy):
     """The same EAGLE-3 checkpoint in stock vLLM's eagle3 chain and in the plugin's chain
     (method eagle3, the alias): the same greedy outputs (the target's) and the same
     acceptance at every draft position, so the same tau."""
@@ -76,8 +66,8 @@ def test_plugin_chain_matches_stock_vllm_eagle3(tiny, heads, vanilla):
         ours_tau = mean_acceptance_length(spec_metrics(ours))
     finally:
         shutdown(ours)
-    assert stock_out == vanilla
-    assert ours_out == vanilla
+    assert stock_out == vanilla_greedy
+    assert ours_out == vanilla_greedy
     assert ours_pos == stock_pos, (ours_pos, stock_pos)
     assert ours_tau == pytest.approx(stock_tau)
     assert ours_tau > 1.5, ours_tau  # the head's depth-1 drafts are right
@@ -99,14 +89,14 @@ def _eagle2(tiny, head, **spec):
         ("one-pass", {"num_speculative_tokens": 1, "topk": 4, "total_tokens": 5}),
     ],
 )
-def test_eagle3_trees_greedy_equal_vanilla(tiny, heads, vanilla, name, spec):
+def test_eagle3_trees_greedy_equal_vanilla(tiny, heads, vanilla_greedy, name, spec):
     llm = _eagle2(tiny, heads["oracle2"], **spec)
     try:
         got = token_ids(llm.generate(PROMPTS, greedy()))
         tau = mean_acceptance_length(spec_metrics(llm))
     finally:
         shutdown(llm)
-    assert got == vanilla
+    assert got == vanilla_greedy
     assert tau > (1.3 if name == "one-pass" else 1.5), tau  # one pass: tau <= 2
 
 
@@ -157,7 +147,7 @@ def test_eagle3_deferred_draft_kv_equals_the_drafters_own(tiny, heads, monkeypat
     torch.testing.assert_close(got["v"][:n], want["v"][:n], atol=1e-4, rtol=1e-4)
 
 
-def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla):
+def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla_greedy):
     """SafeAILab's EAGLE-3 layout (midlayer.*, a Llama config.json with draft_vocab_size,
     layer ids under eagle_config): loaded as EAGLE-3, greedy output is the target's."""
     llm = _eagle2(tiny, heads["random_safeailab"])
@@ -165,10 +155,10 @@ def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla):
         got = token_ids(llm.generate(PROMPTS, greedy()))
     finally:
         shutdown(llm)
-    assert got == vanilla
+    assert got == vanilla_greedy
 
 
-def test_eagle3_tree_tp2_mp_greedy_equals_vanilla(tiny, heads, vanilla, monkeypatch):
+def test_eagle3_tree_tp2_mp_greedy_equals_vanilla(tiny, heads, vanilla_greedy, monkeypatch):
     """Tensor parallel 2 (mp executor): each rank collects its target's auxiliary layers,
     fuses them with the replicated fc and drafts the same tree over the draft vocabulary."""
     from eagle_vllm import LLM
@@ -182,5 +172,5 @@ def test_eagle3_tree_tp2_mp_greedy_equals_vanilla(tiny, heads, vanilla, monkeypa
         tau = mean_acceptance_length(spec_metrics(llm))
     finally:
         shutdown(llm)
-    assert got == vanilla
+    assert got == vanilla_greedy
     assert tau > 1.5, tau

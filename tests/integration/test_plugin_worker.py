@@ -12,21 +12,10 @@ pytestmark = pytest.mark.vllm
 WORKER = "eagle_vllm.engine.worker.EagleWorker"
 
 
-@pytest.fixture(scope="module")
-def vanilla_tokens(tiny):
-    import vllm
-
-    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)
-    try:
-        return token_ids(llm.generate(PROMPTS, greedy()))
-    finally:
-        shutdown(llm)
-
-
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram",
                          "num_speculative_tokens": 3, "prompt_lookup_min": 2}])  # fmt: skip
 def test_plugin_worker_runs_vllms_own_decoding(
-    tiny, vanilla_tokens, speculative_config, monkeypatch
+    tiny, vanilla_greedy, speculative_config, monkeypatch
 ):
     import sys
 
@@ -46,7 +35,7 @@ def test_plugin_worker_runs_vllms_own_decoding(
         (timings,) = llm.collective_rpc("eagle_vllm_timings")
     finally:
         shutdown(llm)
-    assert got == vanilla_tokens
+    assert got == vanilla_greedy
     assert "llvmlite.binding.ffi" not in sys.modules  # later engines in this process start
     # the phases benchmarks split a step into (bench.py's time split)
     for phase in ("execute_model", "target_forward", "verify", "sample_tokens"):

@@ -50,17 +50,7 @@ def ray_cluster():
     assert not alive, [(p.pid, p.name()) for p in alive if p.is_running()]
 
 
-@pytest.fixture(scope="module")
-def vanilla_batch(tiny):
-    import vllm
-
-    llm = vllm.LLM(str(tiny["target"]), **ENGINE_KW)  # TP 1, fp32: the reference
-    out = token_ids(llm.generate(PROMPTS, greedy()))
-    shutdown(llm)
-    return out
-
-
-def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster, monkeypatch):
+def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_greedy, ray_cluster, monkeypatch):
     """Every Ray actor builds the same tree, verifies the same path and compacts its KV shard."""
     from eagle_vllm import LLM
 
@@ -89,7 +79,7 @@ def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster, mo
     shutdown(llm)
     assert len(ranks) == 2 and all(ranks), ranks
     assert reserved == 2  # one {"CPU": 1} bundle per rank in this Ray instance
-    assert got == vanilla_batch
+    assert got == vanilla_greedy
     assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] == 5 * metrics["num_drafts"]
     assert sum(metrics["num_accepted_tokens_per_pos"][3:]) == 0, metrics  # depth 3
     assert mean_acceptance_length(metrics) > 1.2, metrics
@@ -102,7 +92,7 @@ def test_ray_tp2_tree_greedy_equals_vanilla(tiny, vanilla_batch, ray_cluster, mo
 
 
 def test_ray_tp2_eagle3_tree_greedy_equals_vanilla(
-    tiny, vanilla_batch, ray_cluster, monkeypatch, tmp_path
+    tiny, vanilla_greedy, ray_cluster, monkeypatch, tmp_path
 ):
     """An EAGLE-3 head over Ray actors: each rank collects its target's auxiliary layers."""
     from tiny_models import build_eagle3_draft
@@ -121,7 +111,7 @@ def test_ray_tp2_eagle3_tree_greedy_equals_vanilla(
         metrics = spec_metrics(llm)
     finally:
         shutdown(llm)
-    assert got == vanilla_batch
+    assert got == vanilla_greedy
     assert mean_acceptance_length(metrics) > 1.5, metrics
 
 
