@@ -312,6 +312,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "suffix": "None",
         "source": str(models["good"]),
         "head_type": "eagle1",
+        "draft_dtype": "model",
     }
     assert run["wall_s"] < MAX_WALL_S
 
