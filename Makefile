@@ -116,12 +116,13 @@ E3_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct --features-dir $(
 	--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
 	--ttt-steps 3 --ce-vocab 8192 --tokens-per-batch 4096 --noise none \
 	--eval-every 100 --save-every 50 --seed 0
-# $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last]): one stage into OUT, from INIT
+# $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last]): one stage into OUT, warm-started from
+# INIT (none: the first stage) and reusing its conversations
 define e3_stage
 	mkdir -p $(1)
-	test -f $(1)/conversations.jsonl || cp artifacts/eagle3-stage1/conversations.jsonl $(1)/
+	$(if $(5),test -f $(1)/conversations.jsonl || cp $(5)/conversations.jsonl $(1)/)
 	$(if $(6),,test -f $(1)/model.safetensors ||) { $(VENV)/bin/eagle-vllm train $(E3_ARGS) --out $(1) \
-		--init-from $(5) --max-steps $(2) --lr $(3) --warmup-steps $(4) \
+		$(if $(5),--init-from $(5)) --max-steps $(2) --lr $(3) --warmup-steps $(4) \
 		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
 	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
 endef
@@ -130,10 +131,7 @@ eagle3-head:
 	mkdir -p artifacts/eagle3-stage1
 	test -f artifacts/eagle3-stage1/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl artifacts/eagle3-stage1/
-	test -f artifacts/eagle3-stage1/model.safetensors || { $(VENV)/bin/eagle-vllm train \
-		$(E3_ARGS) --out artifacts/eagle3-stage1 --max-steps 1100 --lr 6e-4 --warmup-steps 50 \
-		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
-	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
+	$(call e3_stage,artifacts/eagle3-stage1,1100,6e-4,50,)
 	$(call e3_stage,artifacts/eagle3-stage2,300,3e-4,20,artifacts/eagle3-stage1)
 	$(call e3_stage,$(E3_HEAD),300,2e-4,20,artifacts/eagle3-stage2,last)
 

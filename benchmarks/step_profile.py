@@ -57,6 +57,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eagle_vllm.config import DRAFT_DTYPES  # noqa: E402
+
 SCRIPT = "benchmarks/step_profile.py"
 PHASES_SYSTEMS = ("vanilla", "vanilla-timed", "ngram-timed", "off", "one-draft", "auto")
 PERIODS_SYSTEMS = ("vanilla-timed", "off", "one-draft", "auto")
@@ -66,7 +68,7 @@ CPROFILE_SYSTEMS = ("vanilla-timed", *PINS)  # off, one-draft, tree-1-4, tree-2-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--auto-config", default=DEFAULT_AUTO_CONFIG)
-    p.add_argument("--draft-dtype", default=None, choices=("model", "bfloat16", "auto"),
+    p.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
                    help="override the config's draft_dtype (the draft's GEMMs)")  # fmt: skip
 
 

@@ -32,7 +32,9 @@ class _CastingGemm:
     """Stores the layer's weight (and bias) in ``dtype`` before vLLM packs it for the
     platform's GEMM, and casts each input to ``dtype`` and the output back."""
 
-    dtype: torch.dtype
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.weight.data = layer.weight.data.to(self.dtype)
@@ -45,30 +47,22 @@ class _CastingGemm:
 
 
 class _CastingLinearMethod(_CastingGemm, UnquantizedLinearMethod):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
+    pass
 
 
 class _CastingLMHeadMethod(_CastingGemm, UnquantizedEmbeddingMethod):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
+    pass
 
 
-def run_gemms_in(dtype: torch.dtype, modules: Iterable[nn.Module], lm_head=None) -> int:
+def run_gemms_in(dtype: torch.dtype, modules: Iterable[nn.Module], lm_head=None) -> None:
     """Make every unquantized linear layer among ``modules`` (and ``lm_head``, a draft-
     owned LM head) multiply in ``dtype``. Call before the weights are loaded: the
-    conversion happens when vLLM processes them. Returns the layers changed."""
-    changed = 0
+    conversion happens when vLLM processes them."""
     for module in modules:
         if isinstance(module, LinearBase) and type(module.quant_method) is UnquantizedLinearMethod:
             module.quant_method = _CastingLinearMethod(dtype)
-            changed += 1
     if lm_head is not None and type(lm_head.quant_method) is UnquantizedEmbeddingMethod:
         lm_head.quant_method = _CastingLMHeadMethod(dtype)
-        changed += 1
-    return changed
 
 
 def draft_gemm_dtype(vllm_config) -> torch.dtype | None:
