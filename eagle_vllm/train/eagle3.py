@@ -415,6 +415,27 @@ class Eagle3Trainer(Trainer):
         self.target = target
         super().__init__(target, examples, out_dir, config)
 
+    def draft_vocabulary(self, vocab_size: int) -> torch.Tensor:
+        """A warm start keeps its head's draft vocabulary (its ``d2t``), so that training
+        can go on over more or other data, whose most frequent tokens differ; otherwise
+        the most frequent tokens of the training split."""
+        init = Path(self.cfg.init_from) / "model.safetensors" if self.cfg.init_from else None
+        if init is None or not init.is_file():
+            return super().draft_vocabulary(vocab_size)  # warm_start reports a missing file
+        from safetensors import safe_open
+
+        with safe_open(str(init), framework="pt") as f:
+            d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
+        ids = torch.arange(vocab_size) if d2t is None else d2t + torch.arange(len(d2t))
+        wanted = self.cfg.ce_vocab if 0 < self.cfg.ce_vocab < vocab_size else vocab_size
+        if len(ids) != wanted:
+            raise ValueError(
+                f"--init-from '{self.cfg.init_from}' drafts {len(ids)} tokens, this run "
+                f"--ce-vocab {self.cfg.ce_vocab} (0: the whole vocabulary). Fix: pass "
+                f"--ce-vocab {len(ids) if len(ids) < vocab_size else 0}."
+            )
+        return ids.to(torch.int64)
+
     def build_model(self) -> nn.Module:
         head = Eagle3Head(self.target_config, len(self.aux_layers), len(self.vocab_ids))
         with torch.no_grad():  # start from the target's own LM-head rows

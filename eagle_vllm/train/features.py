@@ -177,15 +177,52 @@ def extract_features(
     return cache
 
 
-def load_features(cache_dir: str | Path) -> list[Example]:
+def load_features(cache_dir: str | Path, *, mmap: bool = True) -> list[Example]:
+    """The examples of a feature cache. With ``mmap`` the shards are mapped, not read:
+    features are paged in as batches touch them and the page cache keeps what fits, so
+    a cache larger than memory still trains (a 1.7M-token EAGLE-3 cache is 7 GB)."""
     cache = Path(cache_dir)
     meta = json.loads((cache / "meta.json").read_text())
     out: list[Example] = []
     for s in range(meta["num_shards"]):
-        payload = torch.load(cache / f"shard-{s:05d}.pt", weights_only=True)
+        payload = torch.load(cache / f"shard-{s:05d}.pt", weights_only=True, mmap=mmap)
         aux = payload.get("aux") or [None] * len(payload["hidden"])
         for ids, mask, hidden, a in zip(
             payload["input_ids"], payload["loss_mask"], payload["hidden"], aux
         ):
             out.append(Example(ids.long(), mask, hidden, a))
     return out
+
+
+def check_extra_cache(
+    cache_dir: str | Path, target: str | Path, layers: tuple[int, ...] | None
+) -> Path:
+    """Refuse a finished feature cache from another run that cannot be trained on beside
+    this run's: unfinished, made for another target (by folder name) or other layers."""
+    cache = Path(cache_dir)
+    meta_path = cache / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(
+            f"--extra-features '{cache}': no meta.json, so not a finished feature cache. "
+            "Fix: point it at the --features-dir of a run that got past feature extraction."
+        )
+    meta = json.loads(meta_path.read_text())
+    missing = [s for s in range(meta["num_shards"]) if not (cache / f"shard-{s:05d}.pt").is_file()]
+    if missing:
+        raise ValueError(
+            f"--extra-features '{cache}': shards {missing[:4]} are missing. Fix: finish that "
+            "run's feature extraction (rerun it) first."
+        )
+    if Path(meta["target"]).name != Path(target).resolve().name:
+        raise ValueError(
+            f"--extra-features '{cache}' holds features of target '{meta['target']}', not "
+            f"'{target}'. Fix: extract them with this --target."
+        )
+    theirs = None if meta.get("layers") is None else tuple(meta["layers"])
+    if theirs != (None if layers is None else tuple(layers)):
+        raise ValueError(
+            f"--extra-features '{cache}' holds layers {theirs}, this run trains on {layers} "
+            "(None: the last layer only, EAGLE-1). Fix: use a cache of the same --arch and "
+            "--aux-layers."
+        )
+    return cache

@@ -9,6 +9,12 @@ layout); ``--arch eagle3`` an EAGLE-3 head (target layers 2, L/2, L-3 fused, tra
 time test, draft vocabulary of ``--ce-vocab`` tokens) exported in the ``speculators``
 format, which the plugin and stock vLLM (``method: eagle3``) both load.
 
+``--extra-features DIR`` (repeatable) trains on another run's finished feature cache
+too, e.g. the features of an earlier, smaller dataset beside this run's new data; the
+validation split then goes by a hash of each conversation's first prompt
+(``--val-split prompt``), so a conversation both sources hold validates in both or in
+neither. Caches are memory-mapped, so together they may exceed the machine's memory.
+
 Every stage is cached in ``--out`` (or ``--features-dir``), so rerunning the
 same command resumes: tokenised data and regenerated answers
 (``conversations.jsonl``), features (``features/shard-*.pt``), and the
@@ -85,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-dir", default=None, help="feature cache (default OUT/features)")
     p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--extra-features",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also train on this finished feature cache of another run (same target and "
+        "layers); repeatable",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument(
         "--evaluate-only",
@@ -131,10 +145,26 @@ def run(args: argparse.Namespace) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from eagle_vllm.train.features import extract_features, load_features
+    from eagle_vllm.train.features import check_extra_cache, extract_features, load_features
     from eagle_vllm.train.tokenize import tokenize_conversation
-    from eagle_vllm.train.trainer import Trainer, plot_curves
+    from eagle_vllm.train.trainer import VAL_SPLITS, Trainer, plot_curves
 
+    if args.val_split not in VAL_SPLITS:
+        raise SystemExit(
+            f"error: --val-split '{args.val_split}' is unknown. Fix: one of {', '.join(VAL_SPLITS)}."
+        )
+    if args.val_split == "auto":
+        args.val_split = "prompt" if args.extra_features else "random"
+    layers = None
+    if args.arch == "eagle3":
+        from eagle_vllm.train.eagle3 import parse_aux_layers
+
+        target_config = json.loads((Path(args.target) / "config.json").read_text())
+        layers = parse_aux_layers(args.aux_layers, target_config["num_hidden_layers"])
+    try:
+        extra_caches = [check_extra_cache(d, args.target, layers) for d in args.extra_features]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -180,12 +210,6 @@ def run(args: argparse.Namespace) -> Path:
         f"{sum(int(e.loss_mask.sum()) for e in examples)} assistant tokens",
         flush=True,
     )
-    layers = None
-    if args.arch == "eagle3":
-        from eagle_vllm.train.eagle3 import parse_aux_layers
-
-        target_config = json.loads((Path(args.target) / "config.json").read_text())
-        layers = parse_aux_layers(args.aux_layers, target_config["num_hidden_layers"])
     cache = extract_features(
         args.target,
         examples,
@@ -201,12 +225,19 @@ def run(args: argparse.Namespace) -> Path:
     )
     if not args.evaluate_only:
         (out / "train_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+    examples = [ex for c in (cache, *extra_caches) for ex in load_features(c)]
+    if extra_caches:
+        print(
+            f"{len(examples)} conversations from {1 + len(extra_caches)} feature caches, "
+            f"{sum(len(ex.input_ids) for ex in examples)} tokens",
+            flush=True,
+        )
     if layers is None:
-        trainer = Trainer(args.target, load_features(cache), out, config)
+        trainer = Trainer(args.target, examples, out, config)
     else:
         from eagle_vllm.train.eagle3 import Eagle3Trainer, plot_eagle3_curves
 
-        trainer = Eagle3Trainer(args.target, load_features(cache), out, config, layers)
+        trainer = Eagle3Trainer(args.target, examples, out, config, layers)
     if args.evaluate_only:
         print(json.dumps({"evaluated": args.init_from or str(out), **trainer.evaluate()}),
               flush=True)  # fmt: skip

@@ -27,6 +27,7 @@ step and RNG; rerunning the same command continues from it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -60,6 +61,11 @@ class TrainConfig:
     # bfloat16 autocast: on CPU (torch 2.13) its backward ran ~50x slower than fp32; use fp32 there
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
     val_fraction: float = 0.02
+    # how validation conversations are chosen: random (a seeded shuffle) | prompt (by a hash
+    # of the first prompt, so a conversation that two data sources share, or that a larger
+    # dataset adds, lands on the same side) | auto (prompt when training on several
+    # feature caches, else random)
+    val_split: str = "auto"
     eval_every: int = 100
     save_every: int = 100
     log_every: int = 10
@@ -146,6 +152,38 @@ def eagle_loss(
     }
 
 
+VAL_SPLITS = ("auto", "random", "prompt")
+
+
+def prompt_key(example: Example) -> int:
+    """A stable 64-bit hash of the tokens before the first assistant token."""
+    first = int(example.loss_mask.nonzero()[0, 0]) if bool(example.loss_mask.any()) else 0
+    ids = example.input_ids[:first].to(torch.int64).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(ids, digest_size=8).digest(), "little")
+
+
+def validation_split(
+    examples: list[Example], fraction: float, seed: int, mode: str
+) -> tuple[list[int], list[int]]:
+    """Indices of the validation and the training examples, each in one seeded shuffled
+    order (at least one validates, given two or more). ``random``: the shuffle's first
+    ``fraction``. ``prompt``: the examples whose prompt hash falls in the lowest
+    ``fraction`` of the hash range, whatever else is in the data (``auto`` is ``random``
+    here; the CLI resolves it)."""
+    if mode not in VAL_SPLITS:
+        raise ValueError(f"val_split '{mode}' is unknown. Fix: one of {', '.join(VAL_SPLITS)}.")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    if len(examples) < 2:
+        return [], order
+    if mode != "prompt":
+        n_val = max(1, int(len(examples) * fraction))
+        return order[:n_val], order[n_val:]
+    keys = [prompt_key(ex) for ex in examples]
+    chosen = {i for i in order if keys[i] < fraction * 2**64} or {min(order, key=keys.__getitem__)}
+    return [i for i in order if i in chosen], [i for i in order if i not in chosen]
+
+
 def frequent_tokens(examples: list[Example], vocab_size: int, keep: int) -> torch.Tensor:
     """Ids of the ``keep`` most frequent assistant tokens (ties by id), sorted by frequency."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -198,17 +236,11 @@ class Trainer:
         self.target_config, self.embed, lm_head = load_target_embeddings(target)
         if examples and examples[0].hidden.shape[-1] != self.target_config["hidden_size"]:
             raise ValueError("feature cache hidden size does not match the target's")
-        rng = random.Random(config.seed)
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        n_val = max(1, int(len(examples) * config.val_fraction)) if len(examples) > 1 else 0
-        self.val = [examples[i] for i in order[:n_val]]
-        self.train = [examples[i] for i in order[n_val:]]
+        val, train = validation_split(examples, config.val_fraction, config.seed, config.val_split)
+        self.val = [examples[i] for i in val]
+        self.train = [examples[i] for i in train]
         vocab = lm_head.shape[0]
-        if config.ce_vocab and config.ce_vocab < vocab:
-            self.vocab_ids = frequent_tokens(self.train, vocab, config.ce_vocab)
-        else:
-            self.vocab_ids = torch.arange(vocab)
+        self.vocab_ids = self.draft_vocabulary(vocab)
         self.target_lm_head = lm_head
         self.lm_head = lm_head[self.vocab_ids].contiguous()
         # full-vocab id -> row of self.lm_head (-1 if not drafted)
@@ -226,6 +258,13 @@ class Trainer:
         self.step = 0
         self.log_path = self.out / "train_log.jsonl"
         self._resume()
+
+    def draft_vocabulary(self, vocab_size: int) -> torch.Tensor:
+        """Target ids the draft's loss covers: the ``ce_vocab`` most frequent assistant
+        tokens of the training split, or the whole vocabulary."""
+        if self.cfg.ce_vocab and self.cfg.ce_vocab < vocab_size:
+            return frequent_tokens(self.train, vocab_size, self.cfg.ce_vocab)
+        return torch.arange(vocab_size)
 
     def build_model(self) -> torch.nn.Module:
         return EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)

@@ -157,6 +157,41 @@ def _write_target_conversations(chat_target, path, rng) -> None:
     )
 
 
+def _train_on_over_more_data(chat_target, args, head, tmp_path, rng, capsys) -> None:
+    """A second run over new conversations (half of them the first run's prompts answered
+    again) with the first run's features beside them (--extra-features) and its head as
+    the start: both caches train, the split goes by prompt, the draft vocabulary stays."""
+    from safetensors.torch import load_file
+
+    from eagle_vllm.train.main import main as train_main
+
+    data = tmp_path / "more.jsonl"
+    _write_target_conversations(chat_target, data, rng)
+    first_rows = (tmp_path / "conversations.jsonl").read_text().splitlines()
+    new_rows = data.read_text().splitlines()
+    data.write_text("\n".join(first_rows[:24] + new_rows[:24]) + "\n")
+    cut = args.index("--features-dir")
+    more = args[:cut] + args[cut + 2 :]
+    more[more.index(str(tmp_path / "conversations.jsonl"))] = str(data)
+    more[more.index("--max-steps") + 1] = "8"
+    more[more.index("--eval-every") + 1] = "8"
+    out = tmp_path / "head3-more"
+    with pytest.raises(SystemExit, match="--extra-features.*no meta.json"):
+        train_main([*more, "--features-dir", str(tmp_path / "features-more"),
+                    "--extra-features", str(tmp_path / "nowhere"), "--out", str(out)])  # fmt: skip
+    capsys.readouterr()
+    train_main([*more, "--features-dir", str(tmp_path / "features-more"),
+                "--extra-features", str(tmp_path / "features"), "--init-from", str(head),
+                "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "96 conversations from 2 feature caches" in printed, printed
+    assert json.loads((out / "train_args.json").read_text())["val_split"] == "prompt"
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 8 and "val_acc_1" in log[-1], log[-1]
+    assert torch.equal(load_file(str(out / "model.safetensors"))["d2t"],
+                       load_file(str(head / "model.safetensors"))["d2t"])  # fmt: skip
+
+
 def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(
     chat_target, tmp_path, capsys
 ):
@@ -198,6 +233,7 @@ def test_train_tiny_eagle3_head_with_ttt_loads_in_plugin_and_stock_vllm(
         assert scored[key] == pytest.approx(last[key], abs=1e-4), (key, scored, last)
     assert not (scratch / "train_log.jsonl").exists()
     assert (out / "training_curves.png").stat().st_size > 1000
+    _train_on_over_more_data(chat_target, args, out, tmp_path, rng, capsys)
     info = inspect_draft_checkpoint(str(out))
     assert info.head_type == "eagle3" and info.speculators_format
     assert info.aux_layer_ids == (0, 1) and info.head_vocab_size == 200

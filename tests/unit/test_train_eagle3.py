@@ -10,6 +10,7 @@ import torch
 
 from eagle_vllm.train.eagle3 import (
     Eagle3Head,
+    collate_eagle3,
     export_speculators,
     parse_aux_layers,
     target_distributions,
@@ -336,7 +337,11 @@ def test_warm_start_restores_the_exported_head(tmp_path):
     warm = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "first"), "lr": 1e-4})
     second = Eagle3Trainer(target, examples, tmp_path / "second", warm, (0, 1))
     assert second.step == 0  # a new schedule, not a resume
+    # the warm start keeps the head's draft vocabulary, held in ascending target id
+    assert torch.equal(second.vocab_ids, first.vocab_ids.sort().values)
     for key, value in first.model.state_dict().items():
+        if key == "lm_head.weight":  # the row of each target id is the same
+            value = value[first.row_of[second.vocab_ids]]
         torch.testing.assert_close(second.model.state_dict()[key], value, atol=0, rtol=0)
 
     fresh = Eagle3Trainer(target, examples, tmp_path / "fresh", cfg, (0, 1))
@@ -358,7 +363,7 @@ def test_warm_start_refuses_a_head_that_does_not_fit(tmp_path):
     first.export("float32")
 
     other_vocab = TrainConfig(**{**cfg.__dict__, "ce_vocab": 32, "init_from": str(first.out)})
-    with pytest.raises(ValueError, match="another vocabulary.*--ce-vocab"):
+    with pytest.raises(ValueError, match="drafts 64 tokens.*Fix: pass --ce-vocab 64"):
         Eagle3Trainer(target, examples, tmp_path / "v", other_vocab, (0, 1))
     # three target layers fused instead of two: fc has another shape
     three = [e.__class__(e.input_ids, e.loss_mask, e.hidden, torch.cat([e.aux, e.hidden], -1))
@@ -369,6 +374,113 @@ def test_warm_start_refuses_a_head_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="--init-from: no"):
         Eagle3Trainer(target, examples, tmp_path / "m",
                       TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "none")}), (0, 1))  # fmt: skip
+
+
+def test_warm_start_keeps_the_draft_vocabulary_over_other_data(tmp_path):
+    """Training on from a head over more or other data keeps that head's draft vocabulary
+    (the new data's most frequent tokens differ) and starts from its exact scores."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig, frequent_tokens
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    old_data = _synthetic_examples(hidden)
+    # new data: other tokens, most of them outside the first head's vocabulary
+    new_data = [e.__class__((e.input_ids + 97) % 250 + 4, e.loss_mask, e.hidden, e.aux)
+                for e in _synthetic_examples(hidden, seed=1)]  # fmt: skip
+    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
+                      ttt_steps=2, noise="none")  # fmt: skip
+    first = Eagle3Trainer(target, old_data, tmp_path / "first", cfg, (0, 1))
+    first.fit(progress=False)
+    first.export("float32")
+    merged = old_data + new_data
+    assert set(frequent_tokens(merged, 256, 64).tolist()) != set(first.vocab_ids.tolist())
+
+    warm = TrainConfig(**{**cfg.__dict__, "init_from": str(first.out), "val_split": "prompt"})
+    second = Eagle3Trainer(target, merged, tmp_path / "second", warm, (0, 1))
+    assert set(second.vocab_ids.tolist()) == set(first.vocab_ids.tolist())
+    ids, _, aux, _ = collate_eagle3(first.val, list(range(len(first.val))))
+    embeds = lambda t: first.embed[t]  # noqa: E731
+    with torch.no_grad():
+        before = first.model.unroll(embeds, ids, aux, 2)
+        after = second.model.unroll(embeds, ids, aux, 2)
+    for a, b in zip(before, after):  # the same scores, columns in each trainer's order
+        torch.testing.assert_close(b, a[..., first.row_of[second.vocab_ids]], atol=1e-5, rtol=0)
+
+
+def _with_prompt(prompt: list[int], answer_len: int = 6):
+    from eagle_vllm.train.features import Example
+
+    n = len(prompt) + answer_len
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[len(prompt) :] = True
+    ids = torch.tensor(prompt + [7] * answer_len)
+    return Example(ids, mask, torch.zeros(n, 4))
+
+
+def test_prompt_validation_split_is_stable_as_data_grows():
+    """val_split=prompt: a conversation validates or trains by its first prompt alone, so
+    adding a data source never moves one across, and a conversation two sources share
+    (the same prompt, another answer) lands on one side; about the asked fraction
+    validates. random: the seeded shuffle's first fraction, as before."""
+    from eagle_vllm.train.trainer import validation_split
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 250, (8,), generator=gen).tolist() for _ in range(3000)]
+    first = [_with_prompt(p) for p in prompts[:2000]]
+    val, train = validation_split(first, 0.1, 0, "prompt")
+    assert sorted(val + train) == list(range(2000))
+    assert 150 < len(val) < 250, len(val)
+    # another source: the same 1000 prompts answered anew, and 1000 new prompts
+    second = [_with_prompt(p, answer_len=9) for p in prompts[1000:]]
+    val2, _ = validation_split(first + second, 0.1, 5, "prompt")
+    in_val = set(val2)
+    assert {i for i in range(2000) if i in in_val} == set(val)
+    for j in range(1000):  # the shared prompts: the same side in both sources
+        assert (2000 + j in in_val) == (1000 + j in in_val)
+
+    val_r, train_r = validation_split(first, 0.1, 0, "random")
+    order = list(range(2000))
+    import random
+
+    random.Random(0).shuffle(order)
+    assert (val_r, train_r) == (order[:200], order[200:])
+    with pytest.raises(ValueError, match="val_split 'hash' is unknown"):
+        validation_split(first, 0.1, 0, "hash")
+
+
+def test_feature_cache_loads_memory_mapped(tmp_path):
+    """A feature cache loads mapped (the default) with the same examples as read into
+    memory; another run's cache is refused for another target or other layers."""
+    from eagle_vllm.train.features import check_extra_cache, load_features
+
+    gen = torch.Generator().manual_seed(0)
+    payload = {
+        "input_ids": [torch.randint(0, 99, (n,), generator=gen, dtype=torch.int32)
+                      for n in (5, 9)],
+        "loss_mask": [torch.rand(n, generator=gen) > 0.5 for n in (5, 9)],
+        "hidden": [torch.randn(n, 8, generator=gen).bfloat16() for n in (5, 9)],
+        "aux": [torch.randn(n, 16, generator=gen).bfloat16() for n in (5, 9)],
+    }  # fmt: skip
+    torch.save(payload, tmp_path / "shard-00000.pt")
+    meta = {"fingerprint": "x", "target": "/models/tiny-target", "dtype": "bfloat16",
+            "num_examples": 2, "num_tokens": 14, "num_shards": 1, "hidden_size": 8,
+            "layers": [0, 1]}  # fmt: skip
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    mapped, read = load_features(tmp_path), load_features(tmp_path, mmap=False)
+    for a, b in zip(mapped, read):
+        for key in ("input_ids", "loss_mask", "hidden", "aux"):
+            assert torch.equal(getattr(a, key), getattr(b, key))
+    assert check_extra_cache(tmp_path, "/elsewhere/tiny-target", (0, 1)) == tmp_path
+    with pytest.raises(ValueError, match="target '/models/tiny-target'.*Fix"):
+        check_extra_cache(tmp_path, "/elsewhere/other", (0, 1))
+    with pytest.raises(ValueError, match=r"layers \(0, 1\).*--aux-layers"):
+        check_extra_cache(tmp_path, "/elsewhere/tiny-target", (0, 2))
+    (tmp_path / "shard-00000.pt").unlink()
+    with pytest.raises(ValueError, match="missing.*Fix: finish"):
+        check_extra_cache(tmp_path, "/elsewhere/tiny-target", (0, 1))
 
 
 def test_warm_start_of_an_eagle1_head(tmp_path):
