@@ -181,7 +181,9 @@ regen-data:
 # pause it with kill -STOP / -CONT while benchmarks or CI run; the progress bar shows the
 # rate). Later turns that do not fit 2048 - 320 prompt tokens end a dialogue. Train on them with
 # `eagle-vllm train ... --regenerate --regenerate-turns all --regen-parts-dir $(TURNS_DATA)`
-# (the same selection flags): finished parts are read, not regenerated.
+# (the same selection flags): finished parts are read, not regenerated; with
+# --regen-parts-only, only what the parts hold (nothing answered), and with
+# --extra-features $(E3_FEATURES) beside the first-turn data's features.
 TURNS_DATA := data/regen-sharegpt-turns
 regen-data-turns:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2

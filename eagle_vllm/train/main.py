@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--regenerate-turns all: folder of finished chunks (default OUT/dialogues)",
     )
     p.add_argument(
+        "--regen-parts-only",
+        action="store_true",
+        help="--regenerate-turns all: train on the conversations the finished parts hold, "
+        "answering none (a regeneration stopped partway)",
+    )
+    p.add_argument(
         "--regen-chunk",
         type=int,
         default=256,
@@ -153,6 +159,11 @@ def run(args: argparse.Namespace) -> Path:
         raise SystemExit(
             f"error: --val-split '{args.val_split}' is unknown. Fix: one of {', '.join(VAL_SPLITS)}."
         )
+    if args.regen_parts_only and not (args.regenerate and args.regenerate_turns == "all"):
+        raise SystemExit(
+            "error: --regen-parts-only reads the parts of --regenerate --regenerate-turns all. "
+            "Fix: add those two flags (and --regen-parts-dir), or drop --regen-parts-only."
+        )
     if args.val_split == "auto":
         args.val_split = "prompt" if args.extra_features else "random"
     layers = None
@@ -179,11 +190,14 @@ def run(args: argparse.Namespace) -> Path:
         if args.regenerate and args.regenerate_turns == "all":
             from eagle_vllm.train.regenerate import regenerate_conversations
 
-            convs = regenerate_conversations(
-                args.target, convs, max_turns=args.regen_max_turns,
-                parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
-                chunk=args.regen_chunk, **regen,
-            )  # fmt: skip
+            try:
+                convs = regenerate_conversations(
+                    args.target, convs, max_turns=args.regen_max_turns,
+                    parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
+                    chunk=args.regen_chunk, parts_only=args.regen_parts_only, **regen,
+                )  # fmt: skip
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
         elif args.regenerate:
             from eagle_vllm.train.regenerate import regenerate_answers
 

@@ -115,6 +115,7 @@ def regenerate_conversations(
     parts_dir: Path,
     chunk: int = 256,
     concurrency: int = 256,
+    parts_only: bool = False,
 ) -> list[list[dict]]:
     """Each conversation's user turns (up to ``max_turns``) answered one turn at a time by
     the target, the dialogue so far as context; a turn whose context leaves no room for
@@ -130,14 +131,24 @@ def regenerate_conversations(
     line per conversation: its index and messages; written whole, then renamed), and a
     rerun answers only conversations no part holds. Parts can be committed as they come.
     Greedy answers do not depend on the batch, so a resumed run writes what an
-    uninterrupted one would have."""
+    uninterrupted one would have. ``parts_only``: answer nothing, return the
+    conversations the parts already hold (to train on a run stopped partway)."""
     from vllm import LLM, SamplingParams
 
     parts_dir = Path(parts_dir)
     parts_dir.mkdir(parents=True, exist_ok=True)
     done = read_parts(parts_dir)
     todo = [i for i in range(len(conversations)) if i not in done]
-    if todo:
+    if parts_only:
+        held = len(conversations) - len(todo)
+        if not held:
+            raise ValueError(
+                f"--regen-parts-only: the parts in '{parts_dir}' hold none of the "
+                f"{len(conversations)} conversations selected. Fix: regenerate first, or "
+                "select the data (--data, --num-conversations) the parts were made from."
+            )
+        print(f"{held} of {len(conversations)} conversations from finished parts", flush=True)
+    elif todo:
         llm = LLM(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                   seed=seed, max_num_seqs=concurrency)  # fmt: skip
         try:

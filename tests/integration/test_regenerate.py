@@ -115,5 +115,11 @@ def test_every_turn_regenerated_with_the_targets_dialogue_as_context(tmp_path):
     assert written == ["part-0000000.jsonl.gz", "part-0000001.jsonl.gz"]
     # resuming: a rerun answers only what no part holds, and rewrites no finished part
     (parts / written[1]).unlink()  # as if stopped before the second chunk
+    # parts only: what the finished parts hold, nothing answered
+    assert regenerate_conversations(target, conversations, parts_only=True, **kw) == got[:1]
+    with pytest.raises(ValueError, match="hold none of the 2 conversations.*Fix"):
+        regenerate_conversations(target, conversations, parts_only=True,
+                                 **{**kw, "parts_dir": tmp_path / "empty"})  # fmt: skip
+    assert sorted(p.name for p in parts.iterdir()) == written[:1]
     again = regenerate_conversations(target, conversations, **kw)
     assert again == got and sorted(p.name for p in parts.iterdir()) == written

@@ -502,3 +502,20 @@ def test_warm_start_of_an_eagle1_head(tmp_path):
                      TrainConfig(**{**cfg.__dict__, "init_from": str(first.out)}))  # fmt: skip
     for key, value in first.model.state_dict().items():
         torch.testing.assert_close(second.model.state_dict()[key], value, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--val-split", "hash"], "--val-split 'hash' is unknown.*Fix: one of auto"),
+        (["--regen-parts-only"], "--regen-parts-only reads.*Fix: add those two flags"),
+        (["--extra-features", "nowhere"], "--extra-features 'nowhere': no meta.json.*Fix"),
+    ],
+)
+def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
+    from eagle_vllm.train.main import main as train_main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=message):
+        train_main(["--target", str(tmp_path / "t"), "--out", str(out), *flags])
+    assert not out.exists()  # refused before anything was written
