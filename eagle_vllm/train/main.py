@@ -90,9 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-temperature", type=float, default=0.0)
     p.add_argument(
         "--regen-dtype",
-        choices=["bfloat16", "float32"],
+        choices=["auto", "bfloat16", "float32"],
         default="float32",
-        help="dtype of the regeneration run (float32: CPUs without AVX-512 BF16 run it faster)",
+        help="dtype of the regeneration run; auto: bfloat16 on a CPU with AVX-512 BF16 or "
+        "AMX (1.7x float32's tokens per second on one), float32 elsewhere (faster "
+        "there)",
     )
     p.add_argument("--features-dir", default=None, help="feature cache (default OUT/features)")
     p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -147,6 +149,14 @@ def _conversations(args) -> list[list[dict]]:
         return convs  # evaluation sets not installed: nothing to exclude
 
 
+def _regen_dtype(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from eagle_vllm.config import cpu_has_bf16_gemm
+
+    return "bfloat16" if cpu_has_bf16_gemm() else "float32"
+
+
 def run(args: argparse.Namespace) -> Path:
     import torch
     from transformers import AutoTokenizer
@@ -186,7 +196,7 @@ def run(args: argparse.Namespace) -> Path:
     else:
         convs = _conversations(args)
         regen = dict(max_tokens=args.regen_max_tokens, temperature=args.regen_temperature,
-                     seed=args.seed, dtype=args.regen_dtype)  # fmt: skip
+                     seed=args.seed, dtype=_regen_dtype(args.regen_dtype))  # fmt: skip
         if args.regenerate and args.regenerate_turns == "all":
             from eagle_vllm.train.regenerate import regenerate_conversations
 

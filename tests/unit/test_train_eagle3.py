@@ -519,3 +519,14 @@ def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
         train_main(["--target", str(tmp_path / "t"), "--out", str(out), *flags])
     assert not out.exists()  # refused before anything was written
+
+
+def test_regen_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
+    from eagle_vllm import config
+    from eagle_vllm.train.main import _regen_dtype
+
+    monkeypatch.setattr(config, "cpu_has_bf16_gemm", lambda: True)
+    assert _regen_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(config, "cpu_has_bf16_gemm", lambda: False)
+    assert _regen_dtype("auto") == "float32"
+    assert _regen_dtype("bfloat16") == "bfloat16" and _regen_dtype("float32") == "float32"
