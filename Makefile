@@ -40,14 +40,19 @@ lint:
 	$(VENV)/bin/ruff check eagle_vllm tests benchmarks examples
 	$(VENV)/bin/ruff format --check eagle_vllm tests benchmarks examples
 
-# Every figure of BENCHMARKS.md in one command (about an hour on 2 cores): the side-by-side
-# table and plot (`bench.py table`: vanilla, ngram, vLLM's EAGLE, ours: chain, tree, auto)
+# The side-by-side table and curve of BENCHMARKS.md in one command (about two hours on 2
+# cores): the sizing profile, the table and plot (`bench.py table`, BENCH_SYSTEMS below)
 # on MT-bench and HumanEval at batch 1/4/16 and T=0/1, then throughput against concurrency
 # 1 -> 64 (`bench.py curve`). Outputs: benchmarks/results/table-cpu.{md,json,png} and
 # curve-cpu.{md,json,png}.
 # fp32: on a CPU without AVX-512 BF16, vLLM's bf16 linear falls back to slow torch GEMMs,
 # so bf16 figures depend on the machine; fp32's do not, which keeps figures measured on
 # different machines comparable.
+# The side-by-side systems: vanilla, vLLM's ngram, EAGLE and EAGLE-3 chains with the same
+# heads, vLLM's suffix decoding where `make vllm-suffix` has built it, and ours: chain,
+# tree, suffix alone, the hybrid and auto; 4 interleaved rounds of every system.
+comma := ,
+BENCH_SYSTEMS := vanilla,ngram,vllm-eagle,vllm-eagle3$(if $(wildcard .arctic/pkg),$(comma)vllm-suffix),eagle,eagle2,suffix,eagle2-suffix,eagle2-auto
 bench:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
@@ -60,7 +65,8 @@ bench:
 		--dtype float32 --enforce-eager --out benchmarks/results/sizing-profile-cpu.json \
 		--write-config benchmarks/results/eagle2-auto-calibrated.yaml
 	$(PY) benchmarks/bench.py table --dtype float32 --batch-sizes 1,4,16 --temperatures 0,1 \
-		--num-prompts 4 --max-tokens 64 --reps 2 --out benchmarks/results/table-cpu \
+		--systems $(BENCH_SYSTEMS) \
+		--num-prompts 4 --max-tokens 64 --reps 4 --out benchmarks/results/table-cpu \
 		--auto-config benchmarks/results/eagle2-auto-calibrated.yaml
 	$(PY) benchmarks/bench.py curve --systems vanilla,eagle2-auto --concurrency 1,4,16,64 \
 		--max-tokens 64 --reps 4 --out benchmarks/results/curve-cpu \
