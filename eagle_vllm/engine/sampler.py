@@ -6,7 +6,10 @@ draft position get the same processing as vLLM's own sampler applies
 min-p, which vLLM 0.32's rejection sampler skips on draft positions); the
 accept/reject decision is the plugin's pure-torch verifier (``eagle_vllm.verify``),
 whose exactness is tested at the distribution level. The bonus token comes
-from vLLM's own sampler, so per-request seeds and logprobs behave as in vLLM.
+from vLLM's own sampler, so per-request seeds and logprobs behave as in vLLM; where
+every row's processing is temperature, min-p, top-k and top-p only, it is drawn like
+any node's token (the same sampler op, the same position-keyed seed), and only where a
+walk reaches the last node.
 
 Written against vLLM 0.32 (vllm/v1/sample/rejection_sampler.py).
 """
@@ -81,6 +84,20 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
             )  # fmt: skip
             return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         row_positions = self._row_positions(metadata, sampling_metadata)
+        if _rows_processed_alike(sampling_metadata) and logits.shape[0]:
+            # Every row's processing is temperature, min-p, top-k and top-p, the same on a
+            # bonus row as on a draft row: the bonus token is drawn like any node's, and
+            # only where a walk reaches the last node (rarely, in a tree), instead of by
+            # vLLM's sampler for every request (a full-vocabulary draw each).
+            counts = [n + 1 for n in metadata.num_draft_tokens]
+            node_rows = apply_sampling_constraints(
+                logits.to(torch.float32, copy=True), counts, sampling_metadata
+            )
+            output_token_ids = self.verify(
+                metadata, node_rows[metadata.target_logits_indices], None, sampling_metadata,
+                row_positions, node_rows=node_rows, raw_logits=logits,
+            )  # fmt: skip
+            return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         bonus_metadata = replace(sampling_metadata, max_num_logprobs=-1)
         if row_positions is not None:
             # the bonus token lands right after its row's token
@@ -135,16 +152,21 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         self,
         metadata,
         target_logits: torch.Tensor | None,
-        bonus_tokens: torch.Tensor,
+        bonus_tokens: torch.Tensor | None,
         sampling_metadata,
         row_positions: torch.Tensor | None = None,
         target_argmax: torch.Tensor | None = None,
         device: torch.device | None = None,
+        node_rows: torch.Tensor | None = None,
+        raw_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per request: walk the draft tree, return ``[path tokens..., final token, -1...]``.
 
         ``target_argmax`` (greedy batches whose processing cannot move an argmax): each
-        target row's argmax, in place of the rows (``target_logits`` None)."""
+        target row's argmax, in place of the rows (``target_logits`` None).
+        ``bonus_tokens`` None: the bonus token is drawn here, where needed, from
+        ``node_rows`` (every logits row processed, the bonus rows included; a greedy
+        request's is the argmax of its row of ``raw_logits``, as vLLM's sampler takes it)."""
         num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64)
         batch = num_drafts.shape[0]
         max_drafts = metadata.max_spec_len
@@ -183,7 +205,15 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
 
         output = torch.full((batch, max_drafts + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
         leaf = num_drafts
-        bonus = bonus_tokens.to("cpu", torch.int64)
+        if bonus_tokens is None:  # drawn below, where a request needs it
+            bonus = torch.full((batch,), -1, dtype=torch.int64)
+            bonus_rows = metadata.bonus_logits_indices.to("cpu", torch.int64)
+            if greedy_rows.any():
+                idx = greedy_rows.nonzero().view(-1)
+                top = self.sampler.greedy_sample(raw_logits[bonus_rows[idx].to(raw_logits.device)])
+                bonus[idx] = top.view(-1).to("cpu", torch.int64)
+        else:
+            bonus = bonus_tokens.to("cpu", torch.int64)
 
         accepted = torch.full((batch, max_drafts), -1, dtype=torch.int64)
         if greedy_rows.any():
@@ -209,6 +239,12 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
                 q, is_sampled = sampled_q
                 sub = is_sampled.nonzero().view(-1)
                 rows = idx[sub]
+                if bonus_tokens is None:  # its last node's distribution is the bonus token
+                    draw = self._node_draws(
+                        rows, target_logits, row_index, leaf, bonus, num_nodes,
+                        sampling_metadata, row_positions, node_rows,
+                    )  # fmt: skip
+                    bonus[rows] = draw(torch.arange(rows.numel()), leaf[rows])
                 probs = _node_probs(
                     target_logits, row_index[rows], valid[rows], leaf[rows], bonus[rows]
                 )
@@ -221,7 +257,7 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
                 # (argmax / top-k trees, and seeded requests), drawing at visited nodes only
                 draw = self._node_draws(
                     idx, target_logits, row_index, leaf, bonus, num_nodes, sampling_metadata,
-                    row_positions,
+                    row_positions, node_rows,
                 )  # fmt: skip
                 res = tree_verify_with_draws(tokens[idx], parents[idx], num_nodes[idx], draw)
                 output[idx] = res.output_tokens
@@ -257,12 +293,14 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
 
     def _node_draws(
         self, idx, target_logits, row_index, leaf, bonus, num_nodes, sampling_metadata,
-        row_positions,
+        row_positions, node_rows=None,
     ):  # fmt: skip
         """``draw(rows, nodes)`` for :func:`tree_verify_with_draws` over the requests
         ``idx``: node n's token is drawn by vLLM's own sampler from the node's processed
         row (temperature, min-p, top-k/top-p applied as vLLM's sampler applies them),
-        and the last node's is the bonus token vLLM's sampler already drew from its row.
+        and the last node's is the bonus token vLLM's sampler already drew from its row;
+        with ``node_rows`` (every logits row processed), the last node's is drawn from
+        its row here like the others'.
 
         A seeded request's draw at node n uses the generator keyed by the position it
         decides (n's position + 1), as vLLM's sampler does for the bonus token and in
@@ -276,11 +314,15 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         def draw(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
             req = idx[rows]
             tokens = bonus[req].clone()
-            inner = nodes < leaf[req]  # the last node's draw is the bonus token
+            # the last node's draw is the bonus token, drawn already unless node_rows
+            inner = nodes < leaf[req] if node_rows is None else tokens < 0
             if not bool(inner.any()):
                 return tokens
             req, nodes = req[inner], nodes[inner]
-            logits = target_logits[row_index[req, nodes].to(target_logits.device)]
+            if node_rows is None:
+                logits = target_logits[row_index[req, nodes].to(target_logits.device)]
+            else:
+                logits = node_rows[(node_row_start[req] + nodes).to(node_rows.device)]
             keyed = {}
             if generators and row_positions is not None:
                 seeded = {k: generators[b] for k, b in enumerate(req.tolist()) if b in generators}
@@ -382,8 +424,24 @@ def _argmax_decides(sampling_metadata) -> bool:
     """Every request is greedy and nothing in vLLM 0.32's sampling can move a row's argmax
     or needs the rows: no logprobs, penalties, allowed/bad words, logit bias, min_tokens,
     thinking budget, and no logits processor this code does not know to be idle."""
+    return bool(sampling_metadata.all_greedy) and _no_row_dependent_processing(sampling_metadata)
+
+
+def _rows_processed_alike(sampling_metadata) -> bool:
+    """Some request samples, and every logits row's processing is temperature, min-p,
+    top-k and top-p only (``apply_sampling_constraints``), which treat a bonus row as a
+    draft row: nothing of the greedy test's list, and no argmax-invariant processor but
+    vLLM's min-p."""
     m = sampling_metadata
-    if not m.all_greedy or m.max_num_logprobs is not None or m.logprob_token_ids:
+    if m.all_greedy or not _no_row_dependent_processing(m):
+        return False
+    return all(type(proc) is MinPLogitsProcessor for proc in m.logitsprocs.argmax_invariant)
+
+
+def _no_row_dependent_processing(m) -> bool:
+    """No logprobs, penalties, allowed/bad words, thinking budget, and every processor that
+    can move an argmax one of vLLM's own, idle."""
+    if m.max_num_logprobs is not None or m.logprob_token_ids:
         return False
     if not m.no_penalties or m.allowed_token_ids_mask is not None or m.bad_words_token_ids:
         return False

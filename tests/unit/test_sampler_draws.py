@@ -120,7 +120,20 @@ def test_walk_draws_only_at_visited_nodes(monkeypatch):
     step = _step()
     with verifier.bound_to(step):
         verifier(_chain([7, 5, 5]), None, logits.clone(), meta)  # first draft rejected
-    # one row for the bonus token (vLLM's own draw), one for the walk's root node:
-    # not a row for each of the 4 nodes
-    assert rows_drawn == [1, 1]
+    # one row, the walk's root node's: not a row for each of the 4 nodes, and no bonus
+    # token, which only a walk reaching the last node needs
+    assert rows_drawn == [1]
     assert step.accepted_nodes[0].tolist() == [-1] * DRAFTS
+
+    # a batch that wants logprobs keeps vLLM's own bonus draw (its logprobs come with it)
+    rows_drawn.clear()
+    with_logprobs = _metadata(None, temperature=1.0, top_p=1.0, min_p=0.0)
+    with_logprobs.max_num_logprobs = 2
+    with verifier.bound_to(_step()):
+        verifier(_chain([7, 5, 5]), None, logits.clone(), with_logprobs)
+    assert rows_drawn == [1, 1]
+    rows_drawn.clear()
+    with verifier.bound_to(_step()):  # every draft accepted: the last node draws the bonus
+        out = verifier(_chain([5, 5, 5]), None, logits.clone(), meta)
+    assert rows_drawn == [1] * (DRAFTS + 1)
+    assert out.sampled_token_ids.view(-1).tolist() == [5] * (DRAFTS + 1)
