@@ -207,11 +207,14 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         leaf = num_drafts
         if bonus_tokens is None:  # drawn below, where a request needs it
             bonus = torch.full((batch,), -1, dtype=torch.int64)
-            bonus_rows = metadata.bonus_logits_indices.to("cpu", torch.int64)
             if greedy_rows.any():
                 idx = greedy_rows.nonzero().view(-1)
-                top = self.sampler.greedy_sample(raw_logits[bonus_rows[idx].to(raw_logits.device)])
-                bonus[idx] = top.view(-1).to("cpu", torch.int64)
+                rows = metadata.bonus_logits_indices.to(raw_logits.device)[
+                    idx.to(raw_logits.device)
+                ]
+                bonus[idx] = (
+                    self.sampler.greedy_sample(raw_logits[rows]).view(-1).to("cpu", torch.int64)
+                )
         else:
             bonus = bonus_tokens.to("cpu", torch.int64)
 
