@@ -105,29 +105,41 @@ reference-head:
 		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
 	done
 
-# The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3): the EAGLE-1 reference
-# head's data (the same 4736 regenerated first turns, 1.67M tokens), bf16 features of
-# layers (2, 15, 27) and the last, a 3-step training-time test over an 8192-token draft
-# vocabulary, steps of 4096 tokens, in three stages that share one feature cache, each
-# warm-started from the one before (--init-from: a new optimiser and schedule):
-# 1100 steps at lr 6e-4, 300 at 3e-4, 300 at 2e-4. Exported in the speculators format.
-# Its log (E3_HEAD.log) records the extraction and training times;
-# benchmarks/train_cost.py measures the cost of each lever. Each stage is resumable; a
-# finished earlier stage (its model.safetensors) is not rerun, the last one always is
-# (it resumes from its state.pt, or trains anew over the committed head).
+# The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in four stages, each
+# warm-started from the one before (--init-from: a new optimiser and schedule). Stages 1-3:
+# the EAGLE-1 reference head's data (the same 4736 regenerated first turns, 1.67M tokens),
+# bf16 features of layers (2, 15, 27) and the last (cached in E3_FEATURES), a 3-step
+# training-time test over an 8192-token draft vocabulary, steps of 4096 tokens: 1100 steps
+# at lr 6e-4, 300 at 3e-4, 300 at 2e-4. Stage 4 adds the every-turn dialogues committed
+# in $(TURNS_DATA) (--regen-parts-only: the parts as committed, nothing regenerated; 2192
+# usable dialogues, 1.99M tokens, features cached in E3_TURNS_FEATURES) beside stage 1-3's
+# cache (--extra-features), validated on a split by prompt: 300 steps at lr 3e-4.
+# Exported in the speculators format. Its log (E3_HEAD.log) records the extraction and
+# training times; benchmarks/train_cost.py measures the cost of each lever. Each stage is
+# resumable; a finished earlier stage (its model.safetensors) is not rerun, the last one
+# always is (it resumes from its state.pt, or trains anew over the committed head).
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
 E3_FEATURES := artifacts/eagle3-features
-E3_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct --features-dir $(E3_FEATURES) \
-	--data sharegpt --num-conversations 4736 --max-len 1024 \
-	--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype bfloat16 \
+E3_TURNS_FEATURES := artifacts/eagle3-features-turns
+E3_TRAIN_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct \
+	--regen-max-tokens 320 --feature-dtype bfloat16 \
 	--ttt-steps 3 --ce-vocab 8192 --tokens-per-batch 4096 --noise none \
 	--eval-every 100 --save-every 50 --seed 0
-# $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last]): one stage into OUT, warm-started from
-# INIT (none: the first stage) and reusing its conversations
+E3_ARGS := $(E3_TRAIN_ARGS) --features-dir $(E3_FEATURES) \
+	--data sharegpt --num-conversations 4736 --max-len 1024 --regenerate --regen-dtype bfloat16
+E3_TURNS_ARGS = $(E3_TRAIN_ARGS) --features-dir $(E3_TURNS_FEATURES) \
+	--extra-features $(E3_FEATURES) --val-split prompt \
+	--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
+	--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) \
+	--regen-parts-only --regen-dtype auto
+# $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last[,ARGS]]): one stage into OUT, warm-started
+# from INIT (none: the first stage); with the first-turn data (E3_ARGS) it reuses INIT's
+# conversations, with other ARGS it reads its own
 define e3_stage
 	mkdir -p $(1)
-	$(if $(5),test -f $(1)/conversations.jsonl || cp $(5)/conversations.jsonl $(1)/)
-	$(if $(6),,test -f $(1)/model.safetensors ||) { $(VENV)/bin/eagle-vllm train $(E3_ARGS) --out $(1) \
+	$(if $(and $(5),$(if $(7),,x)),test -f $(1)/conversations.jsonl || cp $(5)/conversations.jsonl $(1)/)
+	$(if $(6),,test -f $(1)/model.safetensors ||) { $(VENV)/bin/eagle-vllm train \
+		$(or $(7),$(E3_ARGS)) --out $(1) \
 		$(if $(5),--init-from $(5)) --max-steps $(2) --lr $(3) --warmup-steps $(4) \
 		2>&1 || echo failed > $(E3_HEAD).failed; } | tee -a $(E3_HEAD).log
 	test ! -f $(E3_HEAD).failed || { rm $(E3_HEAD).failed; exit 1; }
@@ -139,7 +151,8 @@ eagle3-head:
 		cp $(REGEN_DATA)/conversations.partial.jsonl artifacts/eagle3-stage1/
 	$(call e3_stage,artifacts/eagle3-stage1,1100,6e-4,50,)
 	$(call e3_stage,artifacts/eagle3-stage2,300,3e-4,20,artifacts/eagle3-stage1)
-	$(call e3_stage,$(E3_HEAD),300,2e-4,20,artifacts/eagle3-stage2,last)
+	$(call e3_stage,artifacts/eagle3-stage3,300,2e-4,20,artifacts/eagle3-stage2)
+	$(call e3_stage,$(E3_HEAD),300,3e-4,20,artifacts/eagle3-stage3,last,$(E3_TURNS_ARGS))
 
 # The noise ablation: the first reference head's recipe (ShareGPT's own answers, 1000
 # conversations, 600 steps) without feature noise (train with 1 thread so it can run
