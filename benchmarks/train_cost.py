@@ -8,8 +8,8 @@ synthetic batches shaped like the training data: ``--seq-len`` tokens per conver
 which ``--assistant-fraction`` are assistant tokens (the loss rows), ``--tokens-per-batch``
 per step, with the target's real embedding and LM head. Each configuration changes one
 lever from the base (draft vocabulary 8192, k=3 unrolled steps, trainable LM head, no
-extra terms): the draft vocabulary, k, a frozen LM head, the HASS-style top-K term, the
-feature term. ``dense`` is the same base step with every position scored (both LM heads
+extra terms): the draft vocabulary, k, a frozen LM head, the target's own LM head over the whole
+vocabulary (``--share-lm-head``), the HASS-style top-K term, the feature term. ``dense`` is the same base step with every position scored (both LM heads
 and the softmaxes over all rows, prompt and padding included), the form the loss rows
 replace. Reported: median seconds per step over ``--reps`` timed steps after one warm-up,
 and thousands of tokens per second. Timings need an otherwise idle machine.
@@ -48,6 +48,8 @@ LEVERS = {  # name -> TrainConfig changes from the base
     "k5": {"ttt_steps": 5},
     "k7": {"ttt_steps": 7},
     "frozen-lm-head": {"ttt_freeze_lm_head": True},
+    # the whole vocabulary through the target's frozen LM head (--share-lm-head)
+    "shared-lm-head": {"ce_vocab": 0, "share_lm_head": True},
     "topk-term": {"ttt_topk_weight": 0.5},  # HASS-style, K=10
     "feature-term": {"ttt_feature_weight": 0.1},
 }

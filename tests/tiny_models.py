@@ -244,6 +244,7 @@ def build_eagle3_draft(
     draft_vocab: int | None = None,
     aux_layers: tuple[int, ...] = (0, 1, 2),
     seed: int = 2,
+    shared_lm_head: bool = False,
 ) -> Path:
     """Write an EAGLE-3 head for ``target``: ``layout`` ``speculators`` (what
     ``eagle-vllm train --arch eagle3`` writes) or ``safeailab`` (``midlayer.*``, a Llama
@@ -253,7 +254,11 @@ def build_eagle3_draft(
     ``kind="oracle2"`` (for an oracle target, whose features are all the token's
     embedding): fc keeps the first layer's feature, the decoder passes it through, and the
     LM head maps rmsnorm(embed(t)) to the token two steps after t (least squares over the
-    whole vocabulary), so depth-1 drafts are right and deeper ones mostly wrong."""
+    whole vocabulary), so depth-1 drafts are right and deeper ones mostly wrong.
+
+    ``shared_lm_head``: no ``lm_head`` (nor ``d2t``): the head drafts the whole vocabulary
+    through the target's LM head. With ``oracle2``, fc then maps each token's embedding to
+    the next token's (least squares), so the target's head reads the token two ahead."""
     from safetensors.torch import load_file, save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -299,8 +304,15 @@ def build_eagle3_draft(
             if u in column_of:
                 wanted[t, column_of[u]] = 20.0
         weights["lm_head.weight"] = torch.linalg.lstsq(normed, wanted).solution.T.float()
+        if shared_lm_head:  # fc: embed(t) -> embed(next(t)); the target's head does the rest
+            step = torch.linalg.lstsq(embed, embed[nxt]).solution.T.float()
+            weights["fc.weight"] = torch.cat([step, torch.zeros(h, (n - 1) * h)], dim=1)
     elif kind != "random":
         raise ValueError(kind)
+    if shared_lm_head:
+        if draft_vocab is not None:
+            raise ValueError("a shared LM head drafts the whole vocabulary")
+        del weights["lm_head.weight"]
     if draft_vocab is not None:
         weights["d2t"] = used - torch.arange(rows)
         t2d = torch.zeros(vocab, dtype=torch.bool)

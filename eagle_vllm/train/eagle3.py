@@ -29,7 +29,12 @@ the target's rows (cheaper steps).
 **Export**: a ``speculators``-format folder (``config.json`` with
 ``speculators_model_type: eagle3``; ``model.safetensors`` with ``fc``, ``layers.0.*``,
 ``norm``, ``lm_head``, ``d2t``, ``t2d``; the embedding is the target's), which stock
-vLLM (``method: eagle3``) and the plugin both load.
+vLLM (``method: eagle3``) and the plugin both load. With ``--share-lm-head`` the head
+drafts the whole vocabulary through the target's own LM head, frozen during training and
+left out of the export (no ``lm_head``, ``d2t``, ``t2d``): vLLM's loader then shares the
+target's (``has_own_lm_head`` false), and no token is out of the draft's reach (a reduced
+vocabulary ranked on chat answers leaves out names and identifiers the target copies from
+the prompt: ``benchmarks/draft_vocab_coverage.py``).
 """
 
 from __future__ import annotations
@@ -284,8 +289,11 @@ def export_speculators(
     dtype: torch.dtype,
     speculative_tokens: int,
     extra: dict,
+    shared_lm_head: bool = False,
 ) -> Path:
-    """Write the head as a ``speculators`` eagle3 folder (see the module docstring)."""
+    """Write the head as a ``speculators`` eagle3 folder (see the module docstring). With
+    ``shared_lm_head`` the head drafts the whole vocabulary through the target's LM head:
+    no ``lm_head``, ``d2t`` or ``t2d`` is written, and loaders share the target's."""
     from safetensors.torch import save_file
 
     vocab = target_config["vocab_size"]
@@ -296,10 +304,15 @@ def export_speculators(
     weights = {k: v.detach() for k, v in head.state_dict().items()}
     weights["lm_head.weight"] = weights["lm_head.weight"][order]
     weights = {k: v.to(dtype).contiguous() for k, v in weights.items()}
-    weights["d2t"] = (used - torch.arange(len(used))).to(torch.int64).contiguous()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    weights["t2d"] = t2d
+    if shared_lm_head:
+        if len(used) != vocab:
+            raise ValueError(f"a shared LM head drafts all {vocab} tokens, not {len(used)}")
+        del weights["lm_head.weight"]
+    else:
+        weights["d2t"] = (used - torch.arange(len(used))).to(torch.int64).contiguous()
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[used] = True
+        weights["t2d"] = t2d
     save_file(weights, str(out / "model.safetensors"))
     layer_cfg = {
         k: target_config[k]
@@ -411,6 +424,12 @@ class Eagle3Trainer(Trainer):
                 f"the feature cache holds other layers than {list(aux_layers)}. Fix: use a "
                 "new --features-dir for these --aux-layers."
             )
+        if config.share_lm_head and config.ce_vocab:
+            raise ValueError(
+                f"--share-lm-head drafts the whole vocabulary through the target's LM head, "
+                f"but --ce-vocab {config.ce_vocab} asks for a reduced one. Fix: drop "
+                "--ce-vocab (or pass 0), or drop --share-lm-head."
+            )
         self.aux_layers = aux_layers
         self.target = target
         super().__init__(target, examples, out_dir, config)
@@ -419,12 +438,16 @@ class Eagle3Trainer(Trainer):
         """A warm start keeps its head's draft vocabulary (its ``d2t``), so that training
         can go on over more or other data, whose most frequent tokens differ; otherwise
         the most frequent tokens of the training split."""
+        if self.cfg.share_lm_head:
+            return torch.arange(vocab_size)
         init = Path(self.cfg.init_from) / "model.safetensors" if self.cfg.init_from else None
         if init is None or not init.is_file():
             return super().draft_vocabulary(vocab_size)  # warm_start reports a missing file
         from safetensors import safe_open
 
         with safe_open(str(init), framework="pt") as f:
+            if "lm_head.weight" not in f.keys():  # a shared-LM-head head: no rows to keep
+                return super().draft_vocabulary(vocab_size)
             d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
         ids = torch.arange(vocab_size) if d2t is None else d2t + torch.arange(len(d2t))
         wanted = self.cfg.ce_vocab if 0 < self.cfg.ce_vocab < vocab_size else vocab_size
@@ -441,7 +464,8 @@ class Eagle3Trainer(Trainer):
         with torch.no_grad():  # start from the target's own LM-head rows
             head.lm_head.weight.copy_(self.lm_head)
         # frozen: the target's rows stay (a third of the LM head's GEMMs saved per step)
-        head.lm_head.weight.requires_grad_(not self.cfg.ttt_freeze_lm_head)
+        frozen = self.cfg.ttt_freeze_lm_head or self.cfg.share_lm_head
+        head.lm_head.weight.requires_grad_(not frozen)
         return head
 
     def adapt_warm_start(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -451,7 +475,9 @@ class Eagle3Trainer(Trainer):
         d2t = weights.pop("d2t", None)
         weights.pop("t2d", None)
         rows = weights.get("lm_head.weight")
-        if rows is None:
+        if rows is None or self.cfg.share_lm_head:
+            # a shared-LM-head head has no rows, and a shared-LM-head run keeps the target's
+            weights["lm_head.weight"] = self.lm_head
             return weights
         exported_ids = torch.arange(rows.shape[0]) if d2t is None else d2t + torch.arange(len(d2t))
         row_of = torch.full((self.target_lm_head.shape[0],), -1, dtype=torch.int64)
@@ -508,6 +534,7 @@ class Eagle3Trainer(Trainer):
         return export_speculators(
             self.model, self.out, target=self.target, target_config=self.target_config,
             aux_layers=self.aux_layers, draft_ids=self.vocab_ids,
+            shared_lm_head=self.cfg.share_lm_head,
             dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype],
             speculative_tokens=3,
             extra={"trained_steps": self.step, "train_config": asdict(self.cfg)},

@@ -174,6 +174,12 @@ def run(args: argparse.Namespace) -> Path:
             "error: --regen-parts-only reads the parts of --regenerate --regenerate-turns all. "
             "Fix: add those two flags (and --regen-parts-dir), or drop --regen-parts-only."
         )
+    if args.share_lm_head and (args.arch != "eagle3" or args.ce_vocab):
+        raise SystemExit(
+            "error: --share-lm-head trains an EAGLE-3 head over the whole vocabulary through "
+            f"the target's LM head, not with --arch {args.arch} --ce-vocab {args.ce_vocab}. "
+            "Fix: --arch eagle3 without --ce-vocab (an EAGLE-1 head always shares it)."
+        )
     if args.val_split == "auto":
         args.val_split = "prompt" if args.extra_features else "random"
     layers = None

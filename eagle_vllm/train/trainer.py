@@ -81,6 +81,10 @@ class TrainConfig:
     ttt_topk_weight: float = 0.0
     ttt_feature_weight: float = 0.0
     ttt_freeze_lm_head: bool = False
+    # draft the whole vocabulary through the target's own LM head (frozen, exported without
+    # lm_head/d2t, so the head is about half the size and loaders share the target's):
+    # no token the target writes is out of the draft's reach; needs ce_vocab 0
+    share_lm_head: bool = False
     # validation unrolls at least this many steps: accuracy per step beyond the trained
     # ones (the validation loss stays over ttt_steps, comparable with the training loss)
     eval_ttt_steps: int = 4

@@ -32,6 +32,9 @@ def heads(tiny, tmp_path_factory):
         "random_safeailab": build_eagle3_draft(
             root / "random_safeailab", tiny["target_oracle"], layout="safeailab"
         ),
+        "shared_oracle2": build_eagle3_draft(
+            root / "shared_oracle2", tiny["target_oracle"], kind="oracle2", shared_lm_head=True
+        ),
     }
 
 
@@ -145,6 +148,43 @@ def test_eagle3_deferred_draft_kv_equals_the_drafters_own(tiny, heads, monkeypat
     assert got["caught_up"] >= 44, got["caught_up"]
     torch.testing.assert_close(got["k"][:n], want["k"][:n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got["v"][:n], want["v"][:n], atol=1e-4, rtol=1e-4)
+
+
+def test_shared_lm_head_eagle3_drafts_through_the_targets_head(tiny, heads, vanilla_greedy):
+    """A head without lm_head or d2t (``eagle-vllm train --share-lm-head``) drafts the whole
+    vocabulary through the target's LM head, in stock vLLM's eagle3 chain as in the plugin's
+    chain and tree: the target's outputs, the same acceptance per position in both chains,
+    and a tau only the target's head gives (this head's fc alone steers it to the token two
+    ahead)."""
+    import vllm
+
+    from eagle_vllm import LLM
+
+    spec = {"method": "eagle3", "model": str(heads["shared_oracle2"]), "num_speculative_tokens": K}
+    stock = vllm.LLM(str(tiny["target"]), speculative_config=dict(spec), **ENGINE_KW)
+    stock_out = token_ids(stock.generate(PROMPTS, greedy()))
+    stock_pos = _accepted_per_position(stock)
+    shutdown(stock)
+    ours = LLM(
+        str(tiny["target"]),
+        speculative_config={**spec, "draft_sample_method": "greedy"},
+        **ENGINE_KW,
+    )
+    try:
+        ours_out = token_ids(ours.generate(PROMPTS, greedy()))
+        ours_pos = _accepted_per_position(ours)
+        ours_tau = mean_acceptance_length(spec_metrics(ours))
+    finally:
+        shutdown(ours)
+    tree = _eagle2(tiny, heads["shared_oracle2"])
+    try:
+        tree_out = token_ids(tree.generate(PROMPTS, greedy()))
+        tree_tau = mean_acceptance_length(spec_metrics(tree))
+    finally:
+        shutdown(tree)
+    assert stock_out == ours_out == tree_out == vanilla_greedy
+    assert ours_pos == stock_pos, (ours_pos, stock_pos)
+    assert ours_tau > 1.5 and tree_tau > 1.5, (ours_tau, tree_tau)
 
 
 def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla_greedy):

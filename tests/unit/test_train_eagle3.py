@@ -230,6 +230,57 @@ def test_trainer_with_frozen_lm_head_trains_the_rest(tmp_path):
     assert torch.isfinite(torch.tensor(last["loss"])) and "val_acc_2" in last
 
 
+def test_shared_lm_head_drafts_the_whole_vocabulary_and_exports_without_it(tmp_path):
+    """--share-lm-head: warm-started from a reduced-vocabulary head (its layers kept, its
+    rows dropped), the head scores every token through the target's LM head, which stays
+    frozen; the export has no lm_head, d2t or t2d, loads as a full-vocabulary EAGLE-3 head,
+    and warm-starts a reduced-vocabulary run again."""
+    from safetensors.torch import load_file
+    from tiny_models import build_target
+
+    from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = _synthetic_examples(hidden)
+    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
+                      ttt_steps=2, eval_every=2, save_every=2, log_every=1, noise="none")  # fmt: skip
+    reduced = Eagle3Trainer(target, examples, tmp_path / "reduced", cfg, (0, 1))
+    reduced.fit(progress=False)
+    reduced.export("float32")
+
+    shared_cfg = TrainConfig(**{**cfg.__dict__, "ce_vocab": 0, "share_lm_head": True,
+                                "init_from": str(tmp_path / "reduced")})  # fmt: skip
+    shared = Eagle3Trainer(target, examples, tmp_path / "shared", shared_cfg, (0, 1))
+    vocab = shared.target_lm_head.shape[0]
+    assert torch.equal(shared.vocab_ids, torch.arange(vocab))
+    assert torch.equal(shared.model.lm_head.weight, shared.target_lm_head)
+    assert torch.equal(shared.model.fc.weight, reduced.model.fc.weight)  # layers warm-started
+    before = {k: v.clone() for k, v in shared.model.state_dict().items()}
+    shared.fit(progress=False)
+    after = shared.model.state_dict()
+    assert torch.equal(after["lm_head.weight"], shared.target_lm_head)  # frozen
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])
+    folder = shared.export("float32")
+
+    weights = load_file(str(folder / "model.safetensors"))
+    assert not {"lm_head.weight", "d2t", "t2d"} & weights.keys()
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == vocab
+    info = inspect_draft_checkpoint(str(folder))
+    assert info.head_type == "eagle3" and info.head_vocab_size == vocab
+    assert not info.has_draft_vocab_map
+
+    again = TrainConfig(**{**cfg.__dict__, "init_from": str(folder)})
+    back = Eagle3Trainer(target, examples, tmp_path / "back", again, (0, 1))
+    assert len(back.vocab_ids) == 64
+    torch.testing.assert_close(back.model.fc.weight, after["fc.weight"], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="--share-lm-head.*--ce-vocab 64.*Fix"):
+        Eagle3Trainer(target, examples, tmp_path / "bad",
+                      TrainConfig(**{**cfg.__dict__, "share_lm_head": True}), (0, 1))  # fmt: skip
+
+
 def test_validation_scores_steps_beyond_the_trained_ones(tmp_path):
     """Validation unrolls eval_ttt_steps (4) steps when training unrolls fewer: it reports
     accuracy at every step, and its loss is still over the trained steps only."""
@@ -510,6 +561,8 @@ def test_warm_start_of_an_eagle1_head(tmp_path):
         (["--val-split", "hash"], "--val-split 'hash' is unknown.*Fix: one of auto"),
         (["--regen-parts-only"], "--regen-parts-only reads.*Fix: add those two flags"),
         (["--extra-features", "nowhere"], "--extra-features 'nowhere': no meta.json.*Fix"),
+        (["--share-lm-head", "--arch", "eagle3", "--ce-vocab", "64"], "--share-lm-head.*Fix"),
+        (["--share-lm-head"], "--share-lm-head.*--arch eagle1.*Fix"),
     ],
 )
 def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
