@@ -42,33 +42,35 @@ def _accepted_per_position(llm) -> list[int]:
     return list(spec_metrics(llm)["num_accepted_tokens_per_pos"])
 
 
-def test_plugin_chain_matches_stock_vllm_eagle3(tiny, heads, vanilla_greedy):
+def _stock_and_plugin_chains(tiny, head) -> dict[str, tuple[list, list[int], float]]:
     """The same EAGLE-3 checkpoint in stock vLLM's eagle3 chain and in the plugin's chain
-    (method eagle3, the alias): the same greedy outputs (the target's) and the same
-    acceptance at every draft position, so the same tau."""
+    (method eagle3, the alias; "greedy": argmax chain drafts, as vLLM's, since the
+    plugin's chain default samples at T>0): per engine, the greedy outputs, the accepted
+    drafts per position and tau."""
     import vllm
 
     from eagle_vllm import LLM
 
-    spec = {"method": "eagle3", "model": str(heads["oracle2"]), "num_speculative_tokens": K}
-    stock = vllm.LLM(str(tiny["target"]), speculative_config=dict(spec), **ENGINE_KW)
-    stock_out = token_ids(stock.generate(PROMPTS, greedy()))
-    stock_pos = _accepted_per_position(stock)
-    stock_tau = mean_acceptance_length(spec_metrics(stock))
-    shutdown(stock)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    runs = {}
+    for name, make, extra in (("stock", vllm.LLM, {}),
+                              ("ours", LLM, {"draft_sample_method": "greedy"})):  # fmt: skip
+        llm = make(str(tiny["target"]), speculative_config={**spec, **extra}, **ENGINE_KW)
+        try:
+            out = token_ids(llm.generate(PROMPTS, greedy()))
+            runs[name] = (out, _accepted_per_position(llm),
+                          mean_acceptance_length(spec_metrics(llm)))  # fmt: skip
+        finally:
+            shutdown(llm)
+    return runs
 
-    # "greedy": argmax chain drafts, as vLLM's (the plugin's chain default samples at T>0)
-    ours = LLM(
-        str(tiny["target"]),
-        speculative_config={**spec, "draft_sample_method": "greedy"},
-        **ENGINE_KW,
-    )
-    try:
-        ours_out = token_ids(ours.generate(PROMPTS, greedy()))
-        ours_pos = _accepted_per_position(ours)
-        ours_tau = mean_acceptance_length(spec_metrics(ours))
-    finally:
-        shutdown(ours)
+
+def test_plugin_chain_matches_stock_vllm_eagle3(tiny, heads, vanilla_greedy):
+    """Stock vLLM's eagle3 chain and the plugin's with the same checkpoint: the same greedy
+    outputs (the target's) and the same acceptance at every draft position, so the same
+    tau."""
+    runs = _stock_and_plugin_chains(tiny, heads["oracle2"])
+    (stock_out, stock_pos, stock_tau), (ours_out, ours_pos, ours_tau) = runs["stock"], runs["ours"]
     assert stock_out == vanilla_greedy
     assert ours_out == vanilla_greedy
     assert ours_pos == stock_pos, (ours_pos, stock_pos)
@@ -156,26 +158,8 @@ def test_shared_lm_head_eagle3_drafts_through_the_targets_head(tiny, heads, vani
     chain and tree: the target's outputs, the same acceptance per position in both chains,
     and a tau only the target's head gives (this head's fc alone steers it to the token two
     ahead)."""
-    import vllm
-
-    from eagle_vllm import LLM
-
-    spec = {"method": "eagle3", "model": str(heads["shared_oracle2"]), "num_speculative_tokens": K}
-    stock = vllm.LLM(str(tiny["target"]), speculative_config=dict(spec), **ENGINE_KW)
-    stock_out = token_ids(stock.generate(PROMPTS, greedy()))
-    stock_pos = _accepted_per_position(stock)
-    shutdown(stock)
-    ours = LLM(
-        str(tiny["target"]),
-        speculative_config={**spec, "draft_sample_method": "greedy"},
-        **ENGINE_KW,
-    )
-    try:
-        ours_out = token_ids(ours.generate(PROMPTS, greedy()))
-        ours_pos = _accepted_per_position(ours)
-        ours_tau = mean_acceptance_length(spec_metrics(ours))
-    finally:
-        shutdown(ours)
+    runs = _stock_and_plugin_chains(tiny, heads["shared_oracle2"])
+    (stock_out, stock_pos, _), (ours_out, ours_pos, ours_tau) = runs["stock"], runs["ours"]
     tree = _eagle2(tiny, heads["shared_oracle2"])
     try:
         tree_out = token_ids(tree.generate(PROMPTS, greedy()))

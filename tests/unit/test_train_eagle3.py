@@ -236,21 +236,12 @@ def test_shared_lm_head_drafts_the_whole_vocabulary_and_exports_without_it(tmp_p
     frozen; the export has no lm_head, d2t or t2d, loads as a full-vocabulary EAGLE-3 head,
     and warm-starts a reduced-vocabulary run again."""
     from safetensors.torch import load_file
-    from tiny_models import build_target
 
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
     from eagle_vllm.train.eagle3 import Eagle3Trainer
     from eagle_vllm.train.trainer import TrainConfig
 
-    target = build_target(tmp_path / "t", layers=2)
-    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
-    examples = _synthetic_examples(hidden)
-    cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
-                      ttt_steps=2, eval_every=2, save_every=2, log_every=1, noise="none")  # fmt: skip
-    reduced = Eagle3Trainer(target, examples, tmp_path / "reduced", cfg, (0, 1))
-    reduced.fit(progress=False)
-    reduced.export("float32")
-
+    target, examples, cfg, reduced = _exported_head(tmp_path, "reduced")
     shared_cfg = TrainConfig(**{**cfg.__dict__, "ce_vocab": 0, "share_lm_head": True,
                                 "init_from": str(tmp_path / "reduced")})  # fmt: skip
     shared = Eagle3Trainer(target, examples, tmp_path / "shared", shared_cfg, (0, 1))
@@ -366,10 +357,9 @@ def _synthetic_examples(hidden: int, count: int = 12, seed: int = 0):
     ]
 
 
-def test_warm_start_restores_the_exported_head(tmp_path):
-    """--init-from loads an exported head's weights: the LM-head rows, stored in ascending
-    target id with d2t, come back in the trainer's draft-vocabulary order, so the
-    warm-started head scores every token as the exported one did."""
+def _exported_head(tmp_path, name: str):
+    """A tiny target, synthetic features, a 2-step config over a 64-token draft vocabulary,
+    and a head trained with it and exported into ``tmp_path / name``."""
     from tiny_models import build_target
 
     from eagle_vllm.train.eagle3 import Eagle3Trainer
@@ -380,9 +370,20 @@ def test_warm_start_restores_the_exported_head(tmp_path):
     examples = _synthetic_examples(hidden)
     cfg = TrainConfig(max_steps=2, warmup_steps=1, tokens_per_batch=120, ce_vocab=64,
                       ttt_steps=2, eval_every=2, save_every=2, log_every=1, noise="none")  # fmt: skip
-    first = Eagle3Trainer(target, examples, tmp_path / "first", cfg, (0, 1))
-    first.fit(progress=False)
-    first.export("float32")
+    trainer = Eagle3Trainer(target, examples, tmp_path / name, cfg, (0, 1))
+    trainer.fit(progress=False)
+    trainer.export("float32")
+    return target, examples, cfg, trainer
+
+
+def test_warm_start_restores_the_exported_head(tmp_path):
+    """--init-from loads an exported head's weights: the LM-head rows, stored in ascending
+    target id with d2t, come back in the trainer's draft-vocabulary order, so the
+    warm-started head scores every token as the exported one did."""
+    from eagle_vllm.train.eagle3 import Eagle3Trainer
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target, examples, cfg, first = _exported_head(tmp_path, "first")
     assert not torch.equal(first.vocab_ids, first.vocab_ids.sort().values)  # rows reordered
 
     warm = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "first"), "lr": 1e-4})
