@@ -8,10 +8,10 @@ synthetic batches shaped like the training data: ``--seq-len`` tokens per conver
 which ``--assistant-fraction`` are assistant tokens (the loss rows), ``--tokens-per-batch``
 per step, with the target's real embedding and LM head. Each configuration changes one
 lever from the base (draft vocabulary 8192, k=3 unrolled steps, trainable LM head, no
-extra terms): the draft vocabulary, k, a frozen LM head, the target's own LM head over the whole
-vocabulary (``--share-lm-head``), the HASS-style top-K term, the feature term. ``dense`` is the same base step with every position scored (both LM heads
-and the softmaxes over all rows, prompt and padding included), the form the loss rows
-replace. Reported: median seconds per step over ``--reps`` timed steps after one warm-up,
+extra terms): the draft vocabulary, k, a frozen LM head, the target's own LM head over
+the whole vocabulary (``--share-lm-head``), the HASS-style top-K term, the feature term.
+``dense`` is the same base step with every position scored (both LM heads and the
+softmaxes over all rows, prompt and padding included), the form the loss rows replace. Reported: median seconds per step over ``--reps`` timed steps after one warm-up,
 and thousands of tokens per second. Timings need an otherwise idle machine.
 """
 

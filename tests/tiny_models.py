@@ -291,22 +291,22 @@ def build_eagle3_draft(
         "lm_head.weight": rnd(rows, h),
     }
     if kind == "oracle2":
-        weights["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, (n - 1) * h)], dim=1)
         weights["layers.0.self_attn.o_proj.weight"].zero_()
         weights["layers.0.mlp.down_proj.weight"].zero_()
         nxt = oracle_next_tokens(target)
-        two_ahead = nxt[nxt]
         embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"].double()
-        normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-6)  # [V, h]
-        column_of = {int(t): i for i, t in enumerate(used)}
-        wanted = torch.zeros(vocab, rows, dtype=torch.float64)
-        for t, u in enumerate(two_ahead.tolist()):
-            if u in column_of:
-                wanted[t, column_of[u]] = 20.0
-        weights["lm_head.weight"] = torch.linalg.lstsq(normed, wanted).solution.T.float()
         if shared_lm_head:  # fc: embed(t) -> embed(next(t)); the target's head does the rest
-            step = torch.linalg.lstsq(embed, embed[nxt]).solution.T.float()
-            weights["fc.weight"] = torch.cat([step, torch.zeros(h, (n - 1) * h)], dim=1)
+            first = torch.linalg.lstsq(embed, embed[nxt]).solution.T.float()
+        else:  # fc keeps embed(t); the head's own LM head maps it two tokens ahead
+            first = torch.eye(h)
+            normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-6)  # [V, h]
+            column_of = {int(t): i for i, t in enumerate(used)}
+            wanted = torch.zeros(vocab, rows, dtype=torch.float64)
+            for t, u in enumerate(nxt[nxt].tolist()):
+                if u in column_of:
+                    wanted[t, column_of[u]] = 20.0
+            weights["lm_head.weight"] = torch.linalg.lstsq(normed, wanted).solution.T.float()
+        weights["fc.weight"] = torch.cat([first, torch.zeros(h, (n - 1) * h)], dim=1)
     elif kind != "random":
         raise ValueError(kind)
     if shared_lm_head:
