@@ -9,7 +9,8 @@ which ``--assistant-fraction`` are assistant tokens (the loss rows), ``--tokens-
 per step, with the target's real embedding and LM head. Each configuration changes one
 lever from the base (draft vocabulary 8192, k=3 unrolled steps, trainable LM head, no
 extra terms): the draft vocabulary, k, a frozen LM head, the target's own LM head over
-the whole vocabulary (``--share-lm-head``), the HASS-style top-K term, the feature term.
+the whole vocabulary (``--share-lm-head``), that with a sampled softmax
+(``--lm-head-sample``), the HASS-style top-K term, the feature term.
 ``dense`` is the same base step with every position scored (both LM heads and the
 softmaxes over all rows, prompt and padding included), the form the loss rows replace. Reported: median seconds per step over ``--reps`` timed steps after one warm-up,
 and thousands of tokens per second. Timings need an otherwise idle machine.
@@ -50,6 +51,9 @@ LEVERS = {  # name -> TrainConfig changes from the base
     "frozen-lm-head": {"ttt_freeze_lm_head": True},
     # the whole vocabulary through the target's frozen LM head (--share-lm-head)
     "shared-lm-head": {"ce_vocab": 0, "share_lm_head": True},
+    # the same, its softmaxes over the 8192 most frequent tokens plus the batch's own
+    # tokens and the target's argmaxes (--lm-head-sample 8192)
+    "shared-lm-head-sampled": {"ce_vocab": 0, "share_lm_head": True, "lm_head_sample": 8192},
     "topk-term": {"ttt_topk_weight": 0.5},  # HASS-style, K=10
     "feature-term": {"ttt_feature_weight": 0.1},
 }
@@ -59,13 +63,17 @@ def synthetic_examples(hidden: int, vocab: int, num: int, seq_len: int, assistan
                        num_aux: int) -> list[Example]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompt = int(round(seq_len * (1 - assistant)))
+    # token ids Zipf-distributed over a shuffled vocabulary, as text is: how many distinct
+    # tokens a batch holds sets the sampled softmax's width
+    ranked = torch.randperm(vocab, generator=gen)
+    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     examples = []
     for _ in range(num):
         mask = torch.zeros(seq_len, dtype=torch.bool)
         mask[prompt:] = True
         examples.append(
             Example(
-                input_ids=torch.randint(0, vocab, (seq_len,), generator=gen),
+                input_ids=ranked[torch.multinomial(zipf, seq_len, True, generator=gen)],
                 loss_mask=mask,
                 hidden=torch.randn(seq_len, hidden, generator=gen).to(torch.bfloat16),
                 aux=torch.randn(seq_len, num_aux * hidden, generator=gen).to(torch.bfloat16),

@@ -180,6 +180,12 @@ def run(args: argparse.Namespace) -> Path:
             f"the target's LM head, not with --arch {args.arch} --ce-vocab {args.ce_vocab}. "
             "Fix: --arch eagle3 without --ce-vocab (an EAGLE-1 head always shares it)."
         )
+    if args.lm_head_sample and not args.share_lm_head:
+        raise SystemExit(
+            f"error: --lm-head-sample {args.lm_head_sample} samples the columns of the shared "
+            "LM head. Fix: add --share-lm-head, or drop --lm-head-sample (a reduced vocabulary "
+            "is --ce-vocab)."
+        )
     if args.val_split == "auto":
         args.val_split = "prompt" if args.extra_features else "random"
     layers = None

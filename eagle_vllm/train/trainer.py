@@ -85,6 +85,11 @@ class TrainConfig:
     # lm_head/d2t, so the head is about half the size and loaders share the target's):
     # no token the target writes is out of the draft's reach; needs ce_vocab 0
     share_lm_head: bool = False
+    # with share_lm_head: each training batch's softmaxes run over this many of the most
+    # frequent assistant tokens plus every token of the batch's conversations and the
+    # target's argmaxes there (a sampled softmax: the copied names and identifiers stay in,
+    # at a sixth of the columns); 0 = the whole vocabulary. Validation scores all of it.
+    lm_head_sample: int = 0
     # validation unrolls at least this many steps: accuracy per step beyond the trained
     # ones (the validation loss stays over ttt_steps, comparable with the training loss)
     eval_ttt_steps: int = 4

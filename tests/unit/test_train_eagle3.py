@@ -272,6 +272,73 @@ def test_shared_lm_head_drafts_the_whole_vocabulary_and_exports_without_it(tmp_p
                       TrainConfig(**{**cfg.__dict__, "share_lm_head": True}), (0, 1))  # fmt: skip
 
 
+def test_sampled_softmax_scores_the_batch_columns_and_validates_on_all(tmp_path):
+    """--lm-head-sample: a training batch's loss is the full-vocabulary TTT loss restricted
+    to its columns (the frequent tokens, the batch's own tokens, the target's argmaxes, so
+    no loss row loses its label), with gradients to match; at a sample as large as the
+    vocabulary it is the full loss; validation always scores the whole vocabulary."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.eagle3 import Eagle3Trainer, collate_eagle3
+    from eagle_vllm.train.trainer import TrainConfig
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    examples = _synthetic_examples(hidden, count=8)
+    for ex in examples:  # short conversations, so a batch's columns are a real subset
+        ex.input_ids = ex.input_ids % 40 + 4
+    base = dict(share_lm_head=True, ttt_steps=3, noise="none", val_fraction=0.25)
+
+    def trainer(sample: int, name: str) -> Eagle3Trainer:
+        cfg = TrainConfig(**base, lm_head_sample=sample)
+        return Eagle3Trainer(target, examples, tmp_path / name, cfg, (0, 1))
+
+    full, sampled = trainer(0, "full"), trainer(8, "sampled")
+    vocab = len(full.vocab_ids)
+    batch = [0, 1]
+    ids, mask, aux, last = collate_eagle3(sampled.train, batch)
+    argmax = torch.cat([sampled._target_argmax(sampled.train[i]) for i in batch])
+    columns = sampled.sampled_columns(ids, argmax)
+    assert len(sampled.frequent_ids) == 8
+    assert set(columns.tolist()) == set(sampled.frequent_ids.tolist()) | set(
+        ids.flatten().tolist()
+    ) | set(argmax.tolist())
+    assert len(columns) < vocab // 2
+
+    rows = sampled._losses(batch, sampled.train, train=True)
+    rows["loss"].backward()
+    grads = {k: p.grad.clone() for k, p in sampled.model.named_parameters() if p.grad is not None}
+    sampled.model.zero_grad()
+    # the same loss with the full model's logits cut to these columns
+    n = ids.shape[1]
+    logp, in_vocab, column = target_distributions(
+        last[:, 1:].reshape(-1, hidden), sampled.target_lm_head, columns
+    )
+    assert bool(in_vocab.view(len(batch), n - 1)[mask[:, 1:]].all())  # every label kept
+    logits = sampled.model.unroll(lambda t: sampled.embed[t], ids, aux, 3)
+    dense = ttt_losses(
+        [x[:, : n - 1, columns] for x in logits], logp.view(len(batch), n - 1, -1),
+        column.view(len(batch), n - 1), mask[:, 1:], decay=0.8,
+    )  # fmt: skip
+    dense["loss"].backward()
+    for key in ("loss", "acc_1", "acc_3", "ce_2"):
+        torch.testing.assert_close(rows[key], dense[key])
+    for k, p in sampled.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[k], p.grad, atol=1e-5, rtol=1e-4)
+    whole = full._losses(batch, full.train, train=True)["loss"]
+    assert not torch.allclose(rows["loss"], whole)  # the sample is not the whole softmax
+
+    everything = trainer(vocab, "everything")
+    torch.testing.assert_close(
+        everything._losses(batch, everything.train, train=True)["loss"], whole
+    )
+    assert sampled.evaluate() == pytest.approx(full.evaluate(), rel=1e-6)
+    with pytest.raises(ValueError, match="--lm-head-sample 8.*Fix: add --share-lm-head"):
+        Eagle3Trainer(target, examples, tmp_path / "bad",
+                      TrainConfig(ce_vocab=64, lm_head_sample=8), (0, 1))  # fmt: skip
+
+
 def test_validation_scores_steps_beyond_the_trained_ones(tmp_path):
     """Validation unrolls eval_ttt_steps (4) steps when training unrolls fewer: it reports
     accuracy at every step, and its loss is still over the trained steps only."""
@@ -564,6 +631,7 @@ def test_warm_start_of_an_eagle1_head(tmp_path):
         (["--extra-features", "nowhere"], "--extra-features 'nowhere': no meta.json.*Fix"),
         (["--share-lm-head", "--arch", "eagle3", "--ce-vocab", "64"], "--share-lm-head.*Fix"),
         (["--share-lm-head"], "--share-lm-head.*--arch eagle1.*Fix"),
+        (["--lm-head-sample", "8192"], "--lm-head-sample 8192.*Fix: add --share-lm-head"),
     ],
 )
 def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
