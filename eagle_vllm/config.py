@@ -614,10 +614,10 @@ def _resolve_draft_vocab(value: str | int, info) -> int:
         return 0
     if isinstance(value, str):
         raise _fail("draft_vocab", f"unknown value '{value}'", "use auto, full or a number")
-    if info.head_type == "eagle3":
+    if info.head_type == "eagle3" and info.has_draft_vocab_map:
         raise _fail(
             "draft_vocab",
-            f"an EAGLE-3 head drafts over its own vocabulary ({info.head_vocab_size} tokens "
+            f"this EAGLE-3 head drafts over its own vocabulary ({info.head_vocab_size} tokens "
             "of its lm_head, mapped by d2t)",
             "drop draft_vocab",
         )

@@ -199,12 +199,6 @@ def _inspect_eagle3(folder, cfg, layer_cfg, shapes, fc, speculators, common) -> 
             "eagle_vllm runs EAGLE-3 heads with one (as SafeAILab, SpecForge and "
             "speculators train them). Fix: use a one-layer EAGLE-3 head."
         )
-    if common["draft_vocab_size"]:
-        raise DraftCheckpointError(
-            f"EAGLE-3 draft '{folder}' also has {DRAFT_VOCAB_FILE}; an EAGLE-3 head "
-            "already drafts over its own vocabulary (lm_head + d2t). Fix: delete "
-            f"{DRAFT_VOCAB_FILE}."
-        )
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None and isinstance(cfg.get("eagle_config"), dict):
         ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
@@ -263,6 +257,13 @@ def _inspect_eagle3(folder, cfg, layer_cfg, shapes, fc, speculators, common) -> 
         raise DraftCheckpointError(
             f"EAGLE-3 draft LM head has {rows} rows, more than the vocabulary ({vocab}). "
             "Fix: use a head trained for this target."
+        )
+    if common["draft_vocab_size"] and rows < vocab:
+        raise DraftCheckpointError(
+            f"EAGLE-3 draft '{folder}' also has {DRAFT_VOCAB_FILE}; this head already "
+            f"drafts over its own {rows}-token vocabulary (lm_head + d2t). Fix: delete "
+            f"{DRAFT_VOCAB_FILE} (only a head over the whole vocabulary, such as one that "
+            "shares the target's LM head, takes one)."
         )
     return DraftInfo(
         fc_bias=False,

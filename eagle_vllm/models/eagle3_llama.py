@@ -16,7 +16,9 @@ adds what the plugin's drafter calls on any head:
 * ``draft_logits``: logits over the draft vocabulary and the target id of each column.
   Drafting only ranks tokens, so the reduced vocabulary is never scattered back into a
   full row; the verifier sees the draft's true distribution q (zero outside the draft
-  vocabulary) or its argmax, so it stays lossless.
+  vocabulary) or its argmax, so it stays lossless. A head without a ``d2t`` map (one
+  that shares the target's LM head) can draft over a frequency-ranked subset of it
+  instead (``draft_vocab``, ``draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from eagle_vllm.models.draft_precision import draft_gemm_dtype, run_gemms_in
+from eagle_vllm.models.draft_vocab import DraftVocabMixin
 
 ARCHITECTURE3 = "EagleVllmEagle3LlamaForCausalLM"
 
 
-class EagleVllmEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
+class EagleVllmEagle3LlamaForCausalLM(DraftVocabMixin, Eagle3LlamaForCausalLM):
     """vLLM's EAGLE-3 Llama head with the interface of the plugin's drafter."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -66,6 +69,8 @@ class EagleVllmEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the draft vocabulary and the target token id of each column
         (None: the full vocabulary, column = token id)."""
+        if self.draft_lm_head is not None:  # draft_vocab over a shared (full) LM head
+            return self.reduced_draft_logits(hidden_states), self.draft_vocab_ids
         logits = self.logits_processor(self.lm_head, hidden_states)
         if self.draft_id_to_target_id is None:
             return logits, None
@@ -73,3 +78,8 @@ class EagleVllmEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
             base = torch.arange(self.config.draft_vocab_size, device=logits.device)
             self._column_ids = base + self.draft_id_to_target_id.to(logits.device)
         return logits, self._column_ids
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self.draft_lm_head is None:
+            return super().compute_logits(hidden_states)
+        return self.scatter_draft_logits(self.reduced_draft_logits(hidden_states))

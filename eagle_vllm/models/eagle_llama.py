@@ -8,11 +8,8 @@
   layer 0 has no ``input_layernorm``; there is no final norm.
 * ``embed_tokens`` and ``lm_head`` are the target's: vLLM's EAGLE loader
   replaces the draft's modules by the target's (frozen, not duplicated).
-* optional reduced draft vocabulary (FR-Spec style, ``use_draft_vocab``): the
-  draft's logits are computed for a frequency-ranked subset of the target's
-  LM-head rows only and are -inf elsewhere. For a small target the LM head is
-  most of a draft step. It stays lossless: verification only ever sees the
-  draft's true distribution q (zero outside the subset) or its argmax.
+* optional reduced draft vocabulary (``draft_vocab.py``): the draft's logits are
+  computed for a frequency-ranked subset of the target's LM-head rows only.
 
 Written against vLLM 0.32 (vllm/model_executor/models/llama_eagle.py).
 """
@@ -27,11 +24,12 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
 from eagle_vllm.models.draft_precision import draft_gemm_dtype, run_gemms_in
+from eagle_vllm.models.draft_vocab import DraftVocabMixin
 
 ARCHITECTURE = "EagleVllmLlamaForCausalLM"
 
 
-class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
+class EagleVllmLlamaForCausalLM(DraftVocabMixin, EagleLlamaForCausalLM):
     """vLLM's EAGLE Llama head with SafeAILab's fc bias and no attention-bias confusion."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -60,42 +58,17 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
         if self.gemm_dtype is not None:
             run_gemms_in(self.gemm_dtype, self.model.modules())
 
-    draft_lm_head: torch.Tensor | None = None
-    draft_vocab_ids: torch.Tensor | None = None
-    _draft_head_gemm = None
-
-    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft over ``token_ids`` only; the LM-head rows are copied (replicated on TP ranks)."""
-        from vllm.distributed import get_tensor_model_parallel_world_size
-        from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
-
-        weight = self.lm_head.weight
-        ids = token_ids.to(device=weight.device, dtype=torch.int64)
-        shard = self.lm_head.shard_indices  # this rank's slice of the vocabulary
-        local = (ids >= shard.org_vocab_start_index) & (ids < shard.org_vocab_end_index)
-        rows = torch.zeros(ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
-        rows[local] = weight[ids[local] - shard.org_vocab_start_index].detach()
-        if get_tensor_model_parallel_world_size() > 1:
-            rows = all_reduce(rows)  # each row is non-zero on exactly one rank
-        self.draft_lm_head = rows if self.gemm_dtype is None else rows.to(self.gemm_dtype)
-        self.draft_vocab_ids = ids
-        self._draft_head_gemm = _platform_gemm(self.draft_lm_head)
-
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the drafting vocabulary and the token id of each column
         (None: the full vocabulary, column = token id). Drafting only ranks tokens, so
         the reduced vocabulary is never scattered back into a full-size row."""
         if self.draft_lm_head is None:
             return super().compute_logits(hidden_states), None
-        return self._draft_head_gemm(hidden_states), self.draft_vocab_ids
+        return self.reduced_draft_logits(hidden_states), self.draft_vocab_ids
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         sub, ids = self.draft_logits(hidden_states)
-        if ids is None:
-            return sub
-        logits = sub.new_full((hidden_states.shape[0], self.config.vocab_size), float("-inf"))
-        logits[:, ids] = sub
-        return logits
+        return sub if ids is None else self.scatter_draft_logits(sub)
 
     def draft_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """The target's feature is the draft's (one layer, the last)."""
@@ -122,17 +95,3 @@ class EagleVllmLlamaForCausalLM(EagleLlamaForCausalLM):
         # drafts only need to be good, verification is with the adapter.
         embeds = getattr(embed, "base_layer", embed)(input_ids)
         return self.model.fc(torch.cat((embeds, features), dim=-1))
-
-
-def _platform_gemm(weight: torch.Tensor):
-    """x -> x @ weight.T with the GEMM vLLM would pick for a linear layer on this platform
-    (on CPU: oneDNN, SGL or torch, by ISA and dtype; 0.32's dispatch_cpu_unquantized_gemm),
-    in the weight's dtype; the result comes back in x's."""
-    if weight.device.type != "cpu":
-        return lambda x: torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    holder = torch.nn.Module()
-    holder.weight = torch.nn.Parameter(weight, requires_grad=False)
-    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-    return lambda x: holder.cpu_linear(x.to(weight.dtype), holder.weight, None).to(x.dtype)

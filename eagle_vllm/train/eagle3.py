@@ -34,12 +34,14 @@ drafts the whole vocabulary through the target's own LM head, frozen during trai
 left out of the export (no ``lm_head``, ``d2t``, ``t2d``): vLLM's loader then shares the
 target's (``has_own_lm_head`` false), and no token is out of the draft's reach (a reduced
 vocabulary ranked on chat answers leaves out names and identifiers the target copies from
-the prompt: ``benchmarks/draft_vocab_coverage.py``). ``--lm-head-sample N`` makes
-that affordable: each training batch's softmaxes (the head's and the target's, renormalised)
-run over the N most frequent assistant tokens, every token of the batch's conversations
-(what the target copies) and the target's argmaxes: 8220-8582 of SmolLM2's 49152
-columns per 4096-token batch of its chat data at N = 8192. Validation still scores the
-whole vocabulary.
+the prompt: ``benchmarks/draft_vocab_coverage.py``). Its ``draft_vocab.json`` ranks the
+16384 most frequent assistant tokens, for configs that draft over fewer LM-head rows
+(``draft_vocab: N``, cheaper draft passes). ``--lm-head-sample N`` makes training such
+a head affordable: each training batch's softmaxes (the head's and the target's,
+renormalised) run over the N most frequent assistant tokens, every token of the batch's
+conversations (what the target copies) and the target's argmaxes: 8220-8582 of
+SmolLM2's 49152 columns per 4096-token batch of its chat data at N = 8192. Validation
+still scores the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ from torch import nn
 
 from eagle_vllm.train.features import Example
 from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta
-from eagle_vllm.train.trainer import TrainConfig, Trainer, feature_noise, frequent_tokens
+from eagle_vllm.train.trainer import (
+    TrainConfig,
+    Trainer,
+    feature_noise,
+    frequent_tokens,
+    write_draft_vocab,
+)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -564,6 +572,11 @@ class Eagle3Trainer(Trainer):
     def export(self, dtype: str = "bfloat16") -> Path:
         from dataclasses import asdict
 
+        if self.cfg.share_lm_head:
+            # the whole vocabulary is drafted; this ranking lets a config draft over the
+            # most frequent part of it (draft_vocab: N), a cheaper LM head per pass
+            vocab = len(self.vocab_ids)
+            write_draft_vocab(self.out, frequent_tokens(self.train, vocab, min(vocab, 16384)))
         return export_speculators(
             self.model, self.out, target=self.target, target_config=self.target_config,
             aux_layers=self.aux_layers, draft_ids=self.vocab_ids,

@@ -474,17 +474,22 @@ class Trainer:
         save_file(weights, str(self.out / "model.safetensors"))
         if len(self.vocab_ids) < self.row_of.shape[0]:
             # the CE's token subset, ranked by frequency: the head's reduced draft vocabulary
-            from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
-
-            (self.out / DRAFT_VOCAB_FILE).write_text(
-                json.dumps(
-                    {
-                        "token_ids": self.vocab_ids.tolist(),
-                        "ranked_by": "assistant-token frequency in the training data",
-                    }
-                )
-            )
+            write_draft_vocab(self.out, self.vocab_ids)
         return self.out
+
+
+def write_draft_vocab(out: Path, token_ids: torch.Tensor) -> None:
+    """The frequency-ranked token ids a config's ``draft_vocab: N`` drafts the first N of."""
+    from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
+
+    (out / DRAFT_VOCAB_FILE).write_text(
+        json.dumps(
+            {
+                "token_ids": token_ids.tolist(),
+                "ranked_by": "assistant-token frequency in the training data",
+            }
+        )
+    )
 
 
 def plot_curves(log_path: Path, png_path: Path) -> None:

@@ -171,6 +171,34 @@ def test_shared_lm_head_eagle3_drafts_through_the_targets_head(tiny, heads, vani
     assert ours_tau > 1.5 and tree_tau > 1.5, (ours_tau, tree_tau)
 
 
+def test_shared_lm_head_eagle3_drafts_over_its_ranked_draft_vocab(
+    tiny, heads, vanilla_greedy, tmp_path
+):
+    """``draft_vocab: N`` on a head that shares the target's LM head drafts over the first
+    N tokens of its draft_vocab.json only: ranked with every token the target writes first,
+    it keeps the full head's acceptance; ranked with those last (N = the rest), no draft
+    can be accepted. Both stay exact."""
+    import json
+    import shutil
+
+    vocab = json.loads((tiny["target"] / "config.json").read_text())["vocab_size"]
+    written = sorted({t for out in vanilla_greedy for t in out})
+    others = sorted(set(range(vocab)) - set(written))
+    taus = {}
+    for name, ranked, n in (("written", written + others, len(written)),
+                            ("others", others + written, len(others))):  # fmt: skip
+        head = tmp_path / name
+        shutil.copytree(heads["shared_oracle2"], head)
+        (head / "draft_vocab.json").write_text(json.dumps({"token_ids": ranked}))
+        llm = _eagle2(tiny, head, draft_vocab=n)
+        try:
+            assert token_ids(llm.generate(PROMPTS, greedy())) == vanilla_greedy, name
+            taus[name] = mean_acceptance_length(spec_metrics(llm))
+        finally:
+            shutdown(llm)
+    assert taus["written"] > 1.5 and taus["others"] == 1.0, taus
+
+
 def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla_greedy):
     """SafeAILab's EAGLE-3 layout (midlayer.*, a Llama config.json with draft_vocab_size,
     layer ids under eagle_config): loaded as EAGLE-3, greedy output is the target's."""

@@ -319,12 +319,6 @@ def test_eagle3_with_fc_bias_is_refused(tmp_path, target):
     check_error(draft, "fc.bias")
 
 
-def test_eagle3_with_draft_vocab_json_is_refused(tmp_path, target):
-    draft = _eagle3(tmp_path, target)
-    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
-    check_error(draft, "draft_vocab.json", "own vocabulary")
-
-
 def test_speculators_config_over_eagle1_weights_is_refused(tmp_path, target):
     """A folder that mixes the types: an EAGLE-3 (speculators) config, EAGLE-1 weights."""
     e3 = _eagle3(tmp_path, target)
@@ -353,3 +347,18 @@ def test_eagle3_q_proj_must_read_embed_and_feature(tmp_path, target):
     w["layers.0.self_attn.q_proj.weight"] = torch.zeros(HIDDEN, HIDDEN)
     rewrite(draft, w)
     check_error(draft, "q_proj.weight", f"{2 * HIDDEN} wide")
+
+
+@pytest.mark.parametrize(
+    "head", [{"shared_lm_head": True}, {}, {"draft_vocab": 100}], ids=["shared", "own", "d2t"]
+)
+def test_eagle3_ranked_draft_vocab_only_over_the_whole_vocabulary(tmp_path, target, head):
+    """A draft_vocab.json ranking is for heads over the whole vocabulary (the target's
+    shared LM head, or an own one as large); a head with a reduced vocabulary (d2t)
+    refuses it."""
+    draft = _eagle3(tmp_path, target, **head)
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(40))}))
+    if "draft_vocab" in head:
+        check_error(draft, "draft_vocab.json", "100-token vocabulary", "Fix: delete")
+    else:
+        assert inspect(draft).draft_vocab_size == 40

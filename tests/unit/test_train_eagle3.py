@@ -233,10 +233,11 @@ def test_trainer_with_frozen_lm_head_trains_the_rest(tmp_path):
 def test_shared_lm_head_drafts_the_whole_vocabulary_and_exports_without_it(tmp_path):
     """--share-lm-head: warm-started from a reduced-vocabulary head (its layers kept, its
     rows dropped), the head scores every token through the target's LM head, which stays
-    frozen; the export has no lm_head, d2t or t2d, loads as a full-vocabulary EAGLE-3 head,
-    and warm-starts a reduced-vocabulary run again."""
+    frozen; the export has no lm_head, d2t or t2d, loads as a full-vocabulary EAGLE-3 head
+    with a frequency ranking for draft_vocab, and warm-starts a reduced-vocabulary run."""
     from safetensors.torch import load_file
 
+    from eagle_vllm.config import parse_speculative_config
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
     from eagle_vllm.train.eagle3 import Eagle3Trainer
     from eagle_vllm.train.trainer import TrainConfig
@@ -262,6 +263,15 @@ def test_shared_lm_head_drafts_the_whole_vocabulary_and_exports_without_it(tmp_p
     info = inspect_draft_checkpoint(str(folder))
     assert info.head_type == "eagle3" and info.head_vocab_size == vocab
     assert not info.has_draft_vocab_map
+    # the frequency ranking a config drafts the first N of (draft_vocab: N)
+    ranked = json.loads((folder / "draft_vocab.json").read_text())["token_ids"]
+    counts = torch.bincount(torch.cat([ex.input_ids for ex in shared.train]), minlength=vocab)
+    assert len(ranked) == info.draft_vocab_size == min(vocab, 16384)
+    assert counts[ranked].tolist() == sorted(counts.tolist(), reverse=True)[: len(ranked)]
+    spec = parse_speculative_config(
+        {"method": "eagle2", "model": str(folder), "draft_vocab": 8}, target=str(target)
+    )
+    assert spec.head_type == "eagle3" and spec.draft_vocab == 8
 
     again = TrainConfig(**{**cfg.__dict__, "init_from": str(folder)})
     back = Eagle3Trainer(target, examples, tmp_path / "back", again, (0, 1))
