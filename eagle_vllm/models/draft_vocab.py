@@ -14,8 +14,11 @@ import torch
 
 
 class DraftVocabMixin:
-    """``use_draft_vocab`` and ``draft_logits`` for a vLLM draft model with ``lm_head``,
-    ``logits_processor`` and ``gemm_dtype`` (the draft's GEMM dtype, None: the model's)."""
+    """The reduced LM head of a vLLM draft model with ``lm_head`` (over the whole
+    vocabulary), ``config.vocab_size`` and ``gemm_dtype`` (the draft's GEMM dtype, None:
+    the model's): ``use_draft_vocab`` copies the rows once, ``reduced_draft_logits``
+    computes logits over them, ``scatter_draft_logits`` spreads those over the vocabulary.
+    The model's own ``draft_logits`` chooses between these and its full head."""
 
     draft_lm_head: torch.Tensor | None = None
     draft_vocab_ids: torch.Tensor | None = None
