@@ -404,6 +404,28 @@ def parse_aux_layers(value: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def check_lm_head_options(share_lm_head: bool, ce_vocab: int, lm_head_sample: int) -> None:
+    """Raise ValueError (what is wrong, and the fix) for LM-head options that do not go
+    together; the CLI calls it before any work, the trainer again."""
+    if share_lm_head and ce_vocab:
+        raise ValueError(
+            f"--share-lm-head drafts the whole vocabulary through the target's LM head, "
+            f"but --ce-vocab {ce_vocab} asks for a reduced one. Fix: drop "
+            "--ce-vocab (or pass 0), or drop --share-lm-head."
+        )
+    if lm_head_sample and not share_lm_head:
+        raise ValueError(
+            f"--lm-head-sample {lm_head_sample} samples the columns of the shared "
+            "LM head. Fix: add --share-lm-head, or drop --lm-head-sample (a reduced "
+            "vocabulary is --ce-vocab)."
+        )
+    if lm_head_sample < 0:
+        raise ValueError(
+            f"--lm-head-sample {lm_head_sample}: need 0 (the whole vocabulary) or "
+            "a positive number of frequent tokens, e.g. 8192."
+        )
+
+
 def collate_eagle3(examples: list[Example], indices: list[int]):
     width = max(len(examples[i].input_ids) for i in indices)
     b = len(indices)
@@ -437,23 +459,7 @@ class Eagle3Trainer(Trainer):
                 f"the feature cache holds other layers than {list(aux_layers)}. Fix: use a "
                 "new --features-dir for these --aux-layers."
             )
-        if config.share_lm_head and config.ce_vocab:
-            raise ValueError(
-                f"--share-lm-head drafts the whole vocabulary through the target's LM head, "
-                f"but --ce-vocab {config.ce_vocab} asks for a reduced one. Fix: drop "
-                "--ce-vocab (or pass 0), or drop --share-lm-head."
-            )
-        if config.lm_head_sample and not config.share_lm_head:
-            raise ValueError(
-                f"--lm-head-sample {config.lm_head_sample} samples the columns of the shared "
-                "LM head. Fix: add --share-lm-head, or drop --lm-head-sample (a reduced "
-                "vocabulary is --ce-vocab)."
-            )
-        if config.lm_head_sample < 0:
-            raise ValueError(
-                f"--lm-head-sample {config.lm_head_sample}: need 0 (the whole vocabulary) or "
-                "a positive number of frequent tokens, e.g. 8192."
-            )
+        check_lm_head_options(config.share_lm_head, config.ce_vocab, config.lm_head_sample)
         self.aux_layers = aux_layers
         self.target = target
         super().__init__(target, examples, out_dir, config)

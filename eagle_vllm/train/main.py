@@ -174,18 +174,18 @@ def run(args: argparse.Namespace) -> Path:
             "error: --regen-parts-only reads the parts of --regenerate --regenerate-turns all. "
             "Fix: add those two flags (and --regen-parts-dir), or drop --regen-parts-only."
         )
-    if args.share_lm_head and (args.arch != "eagle3" or args.ce_vocab):
+    if args.share_lm_head and args.arch != "eagle3":
         raise SystemExit(
             "error: --share-lm-head trains an EAGLE-3 head over the whole vocabulary through "
-            f"the target's LM head, not with --arch {args.arch} --ce-vocab {args.ce_vocab}. "
-            "Fix: --arch eagle3 without --ce-vocab (an EAGLE-1 head always shares it)."
+            f"the target's LM head, not with --arch {args.arch}. "
+            "Fix: --arch eagle3 (an EAGLE-1 head always shares it)."
         )
-    if args.lm_head_sample and not args.share_lm_head:
-        raise SystemExit(
-            f"error: --lm-head-sample {args.lm_head_sample} samples the columns of the shared "
-            "LM head. Fix: add --share-lm-head, or drop --lm-head-sample (a reduced vocabulary "
-            "is --ce-vocab)."
-        )
+    from eagle_vllm.train.eagle3 import check_lm_head_options
+
+    try:
+        check_lm_head_options(args.share_lm_head, args.ce_vocab, args.lm_head_sample)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.val_split == "auto":
         args.val_split = "prompt" if args.extra_features else "random"
     layers = None
