@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     counters_delta,
     engine_kwargs,
     fmt_median,
+    generate_in_flight,
     load_prompts,
     read_timings,
     reset_timings,
@@ -117,16 +118,22 @@ CURVE_DOC = """Throughput against concurrency (1 -> 64 requests in flight), side
 
     .venv/bin/python benchmarks/bench.py curve --out benchmarks/results/concurrency-latest
 
-For each system (its own engine process, same settings) and each concurrency c,
-c MT-bench first turns are submitted together and decoded to ``--max-tokens``;
-output tokens / wall seconds is the throughput. Every ratio is against vanilla's
+For each system (its own engine process, same settings) and each concurrency c, c
+requests are kept in flight: c MT-bench first turns start together and each finished
+request's slot goes to the next prompt (``common.generate_in_flight``), until
+``--requests-per-client`` x c requests (at most the 80 distinct first turns, so no
+prompt runs twice in one measurement) have been decoded to ``--max-tokens``. That is
+the load a server with c clients sees. ``--requests-per-client 1`` is one batch that
+drains: its last steps run the slowest requests alone, which costs speculation (its
+requests finish at different steps) and not vanilla (all finish together).
+Output tokens / wall seconds is the throughput. Every ratio is against vanilla's
 figure for the same c and repetition, reported as median [min-max].
 
 For ``eagle2-auto`` (``configs/eagle2-auto.yaml``, load-aware sizing) the table
 also shows which tree sizes the sizer chose at each concurrency. Every system runs
-each load once untimed (half the tokens, HumanEval prompts, so the timed MT-bench
-prompts meet a cold prefix cache) before timing it: steady state, which for
-eagle2-auto includes measuring its arms at that batch size.
+each load once untimed (c requests, half the tokens, HumanEval prompts) before timing
+it: steady state, which for eagle2-auto includes measuring its arms at that batch size.
+Prefix caching is off for every system: the repetitions reuse prompts.
 
 Output: ``OUT.json`` (raw), ``OUT.md`` (table), ``OUT.png`` (curve).
 """
@@ -402,20 +409,20 @@ def table(args, argv: list[str] | None) -> int:
 def run_curve_worker(system: str, args) -> list[dict]:
     from vllm import SamplingParams
 
-    llm = build_engine(
-        system, args, **engine_kwargs(args.dtype, max(args.concurrency), args.max_model_len)
-    )
+    # no prefix cache: the repetitions reuse prompts, and a warm cache would hand vanilla
+    # and eagle-vllm every full block, vLLM's own EAGLE all but the last (it recomputes
+    # that one for its drafter)
+    kwargs = engine_kwargs(args.dtype, max(args.concurrency), args.max_model_len)
+    llm = build_engine(system, args, **kwargs, enable_prefix_caching=False)
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
-    # warm-up loads use other prompts: the timed prompts' prefill is measured cold
-    # (a warm prefix cache would hand vanilla and eagle-vllm every full block, and
-    # vLLM's own EAGLE all but the last: it recomputes that one for its drafter)
     warm_prompts = load_prompts("humaneval", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows = []
     for rep in range(args.first_rep, args.first_rep + args.reps):
         for c in args.concurrency:
-            batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(c)]
+            n = min(args.requests_per_client * c, len(prompts))  # no prompt twice in a run
+            batch = [prompts[(rep * 7 + i) % len(prompts)] for i in range(n)]
             # steady state: the same load once untimed (eagle2-auto measures its arms)
             warm = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens // 2)
             warm_batch = [warm_prompts[(rep * 7 + i) % len(warm_prompts)] for i in range(c)]
@@ -427,7 +434,7 @@ def run_curve_worker(system: str, args) -> list[dict]:
             if system == "eagle2-auto":
                 history_len = len(sizing_table(llm)["history"])
             start = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
+            outs = generate_in_flight(llm, batch, params, c)
             seconds = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             after = spec_counters(llm)
@@ -437,6 +444,7 @@ def run_curve_worker(system: str, args) -> list[dict]:
                 system=system,
                 rep=rep,
                 concurrency=c,
+                requests=n,
                 tokens=tokens,
                 seconds=seconds,
                 tok_s=tokens / seconds,
@@ -523,6 +531,9 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(CURVE_SYSTEMS))
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="requests per level: this many times the concurrency, at most 80 "
+                        "(1: one batch that drains)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
@@ -545,8 +556,10 @@ def curve(args, argv: list[str] | None) -> int:
     header = (
         f"# Throughput vs concurrency: {Path(args.target).name}\n\n"
         f"Command: `{command_line('benchmarks/bench.py', argv)}`\n\n"
-        f"dtype {args.dtype}, enforce_eager, T={args.temperature:g}, {args.max_tokens} tokens "
-        f"per request, MT-bench first turns, {args.reps} reps; speculative systems as "
+        f"dtype {args.dtype}, enforce_eager, no prefix cache, T={args.temperature:g}, "
+        f"{args.max_tokens} tokens per request, MT-bench first turns, c requests in flight "
+        f"until {args.requests_per_client}c (at most 80) are done, {args.reps} reps; "
+        f"speculative systems as "
         f"ratios to vanilla at the same concurrency; wall time {time.time() - started:.0f} s.\n\n"
     )
     write_results(args.out, args, rows, header + md)

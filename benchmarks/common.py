@@ -85,6 +85,35 @@ def load_prompts(dataset: str, n: int, tokenizer) -> list[str]:
     raise SystemExit(f"error: unknown dataset '{dataset}' (use mtbench, humaneval)")
 
 
+def generate_in_flight(llm, prompts: list, params, concurrency: int) -> list:
+    """Decode ``prompts`` with ``concurrency`` requests in flight: the first
+    ``concurrency`` start together and each finished request's slot goes to the next
+    prompt, as a server with that many clients sees (a single batch instead drains: its
+    last steps run fewer requests, the slower ones). Outputs in the prompts' order."""
+    engine = llm.llm_engine
+    waiting = list(enumerate(prompts))
+    index_of: dict[str, int] = {}
+    done: dict[int, object] = {}
+
+    def start(count: int) -> None:
+        for _ in range(min(count, len(waiting))):
+            i, prompt = waiting.pop(0)
+            (request_id,) = llm.enqueue([prompt], params, use_tqdm=False)
+            # outputs carry the id vLLM was given, enqueue returns it with a random
+            # suffix (vLLM 0.32's InputProcessor.assign_request_id): key by both
+            index_of[request_id] = index_of[request_id.rsplit("-", 1)[0]] = i
+
+    start(concurrency)
+    while engine.has_unfinished_requests():
+        finished = [out for out in engine.step() if out.finished]
+        for out in finished:
+            done[index_of[out.request_id]] = out
+        start(len(finished))
+    if len(done) != len(prompts):
+        raise RuntimeError(f"{len(prompts) - len(done)} of {len(prompts)} requests never finished")
+    return [done[i] for i in range(len(prompts))]
+
+
 def spec_counters(llm) -> dict:
     """vLLM's own spec-decode counters (``vllm:spec_decode_*``), by short name."""
     out = {}

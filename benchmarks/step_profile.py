@@ -452,7 +452,14 @@ def _set_first_pass(worker, full: bool) -> bool:
 def add_arms_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", nargs="+", default=["0,1", "1,2", "1,3", "1,4", "2,9", "2,16"],
                    help="passes,nodes pairs (the sizer's arms)")  # fmt: skip
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run (default: --concurrency, one batch that drains; "
+        "more keep --concurrency in flight, a new one starting as one ends)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     add_model_args(p)
@@ -462,6 +469,17 @@ def add_arms_args(p: argparse.ArgumentParser) -> None:
                    help="the drafter's first pass: the last layer at the rows read only "
                         "(trimmed, the plugin's), at every row (full), or each arm both "
                         "ways in turn (an A/B in one engine)")  # fmt: skip
+
+
+def predicted(table: dict, concurrency: int, arm: tuple[int, int]) -> str:
+    """The sizer's prediction for ``arm`` at ``concurrency`` requests: the throughput it
+    compares arms by (requests x expected tokens / step cost), to set beside the measured
+    one; the measured includes the prefill steps, which no arm's prediction holds."""
+    row = sizer_bucket(table, concurrency).get(f"{arm[0]},{arm[1]}") or {}
+    seconds, tokens = row.get("seconds"), row.get("expected_tokens")
+    if not seconds or tokens is None:
+        return "unmeasured"
+    return f"{concurrency * tokens / seconds:.1f} ({tokens:.3f}, {1e3 * seconds:.1f} ms)"
 
 
 def arms(args, argv: list[str] | None) -> int:
@@ -476,19 +494,21 @@ def arms(args, argv: list[str] | None) -> int:
     from vllm import SamplingParams
 
     c = args.concurrency
-    llm = in_process_engine("auto", args, c)
+    n = args.requests or c
+    llm = in_process_engine("auto", args, c)  # max_num_seqs = c: c requests in flight
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
-          "runner phases, ms/step")  # fmt: skip
+          "runner phases, ms/step | the sizer's prediction for the arm: tok/s "
+          "(tokens per request per step, ms per step)")  # fmt: skip
     for rep in range(args.reps):
         order = modes if rep % 2 == 0 else modes[::-1]  # neither always runs first
         for arm, mode in ((a, m) for a in swept for m in order):
             llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
-            batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
+            batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(n)]
             suffix_stats(llm, clear_cache=True)  # every run drafts from an empty response cache
             start = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
@@ -501,7 +521,8 @@ def arms(args, argv: list[str] | None) -> int:
             )
             label = f", {mode}" if len(modes) > 1 else ""
             print(f"{arm}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
-                  f"{1e3 * seconds / steps:.1f} | {split}", flush=True)  # fmt: skip
+                  f"{1e3 * seconds / steps:.1f} | {split} | "
+                  f"{predicted(sizing_table(llm), c, arm)}", flush=True)  # fmt: skip
     for arm in profiled:
         from torch.profiler import profile
 
