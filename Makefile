@@ -105,7 +105,7 @@ reference-head:
 		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
 	done
 
-# The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in four stages, each
+# The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in five stages, each
 # warm-started from the one before (--init-from: a new optimiser and schedule). Stages 1-3:
 # the EAGLE-1 reference head's data (the same 4736 regenerated first turns, 1.67M tokens),
 # bf16 features of layers (2, 15, 27) and the last (cached in E3_FEATURES), a 3-step
@@ -114,13 +114,18 @@ reference-head:
 # in $(TURNS_DATA) (--regen-parts-only: the parts as committed, nothing regenerated; 2192
 # usable dialogues, 1.99M tokens, features cached in E3_TURNS_FEATURES) beside stage 1-3's
 # cache (--extra-features), validated on a split by prompt: 300 steps at lr 3e-4.
-# Exported in the speculators format. Its log (E3_HEAD.log) records the extraction and
-# training times; benchmarks/train_cost.py measures the cost of each lever. Each stage is
-# resumable; a finished earlier stage (its model.safetensors) is not rerun, the last one
-# always is (it resumes from its state.pt, or trains anew over the committed head).
+# Stage 5 adds SmolLM2's answers to the first 4500 OpenAI evals task prompts committed in
+# $(EVALS_DATA) (maths, code, reasoning, writing; 4480 usable, 1.64M tokens of which 0.64M
+# answer tokens, features cached in E3_EVALS_FEATURES: 34 min) beside stage 1-3's cache,
+# validated by prompt: 300 steps at lr 3e-4 (19 min). Exported in the speculators format.
+# Its log (E3_HEAD.log) records the extraction and training times;
+# benchmarks/train_cost.py measures the cost of each lever. Each stage is resumable; a
+# finished earlier stage (its model.safetensors) is not rerun, the last one always is (it
+# resumes from its state.pt, or trains anew over the committed head).
 E3_HEAD := heads/smollm2-135m-instruct-eagle3
 E3_FEATURES := artifacts/eagle3-features
 E3_TURNS_FEATURES := artifacts/eagle3-features-turns
+E3_EVALS_FEATURES := artifacts/eagle3-features-evals
 E3_TRAIN_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct \
 	--regen-max-tokens 320 --feature-dtype bfloat16 \
 	--ttt-steps 3 --ce-vocab 8192 --tokens-per-batch 4096 --noise none \
@@ -131,6 +136,11 @@ E3_TURNS_ARGS = $(E3_TRAIN_ARGS) --features-dir $(E3_TURNS_FEATURES) \
 	--extra-features $(E3_FEATURES) --val-split prompt \
 	--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
 	--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) \
+	--regen-parts-only --regen-dtype auto
+E3_EVALS_ARGS = $(E3_TRAIN_ARGS) --features-dir $(E3_EVALS_FEATURES) \
+	--extra-features $(E3_FEATURES) --val-split prompt \
+	--data evals --num-conversations 4500 --max-len 2048 --regenerate \
+	--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) \
 	--regen-parts-only --regen-dtype auto
 # $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last[,ARGS]]): one stage into OUT, warm-started
 # from INIT (none: the first stage); with the first-turn data (E3_ARGS) it reuses INIT's
@@ -152,7 +162,8 @@ eagle3-head:
 	$(call e3_stage,artifacts/eagle3-stage1,1100,6e-4,50,)
 	$(call e3_stage,artifacts/eagle3-stage2,300,3e-4,20,artifacts/eagle3-stage1)
 	$(call e3_stage,artifacts/eagle3-stage3,300,2e-4,20,artifacts/eagle3-stage2)
-	$(call e3_stage,$(E3_HEAD),300,3e-4,20,artifacts/eagle3-stage3,last,$(E3_TURNS_ARGS))
+	$(call e3_stage,artifacts/eagle3-stage4,300,3e-4,20,artifacts/eagle3-stage3,,$(E3_TURNS_ARGS))
+	$(call e3_stage,$(E3_HEAD),300,3e-4,20,artifacts/eagle3-stage4,last,$(E3_EVALS_ARGS))
 
 # An EAGLE-3 head that drafts the whole vocabulary through the target's own LM head
 # (--share-lm-head), warm-started from the committed EAGLE-3 head: the first-turn data and

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "--update",
         action="store_true",
         help="keep OUT.json's rows of other systems, datasets and temperatures (and its "
-        "commands), replacing only the rows this command measures",
+        "commands), replacing only the rows this command measures (and the commands "
+        "none of whose rows remain)",
     )
     p.add_argument("--worker-spec", help=argparse.SUPPRESS)
     p.add_argument("--worker-dataset", help=argparse.SUPPRESS)
@@ -141,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     heads = {"e1": args.eagle1_head, "e3": args.eagle3_head}
     command = " ".join(["python benchmarks/head_tau.py", *(argv or sys.argv[1:])])
-    commands, rows = [command], []
+    rows: list[dict] = []
+    legacy, legacy_rows = [], False
     if args.update and args.out and Path(args.out).with_suffix(".json").exists():
         earlier = json.loads(Path(args.out).with_suffix(".json").read_text())
         rerun = {(n, d, float(t)) for n in args.systems.split(",")
                  for d in args.datasets.split(",") for t in args.temperatures.split(",")}  # fmt: skip
         rows = [r for r in earlier["rows"]
                 if (r["system"], r["dataset"], r["temperature"]) not in rerun]  # fmt: skip
-        commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c] + commands
+        legacy = [c for c in earlier.get("commands", [earlier.get("command")]) if c]
+        # rows name the command that measured them; files from before name none
+        legacy_rows = any("command" not in r for r in rows)
     for name in args.systems.split(","):
         if name not in SYSTEMS:
             raise SystemExit(f"error: unknown system '{name}' (use {', '.join(SYSTEMS)})")
@@ -165,13 +169,18 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stderr.write(proc.stderr[-3000:])
                     raise SystemExit(f"error: {name} on {dataset} at T={temperature} failed")
                 row = {"system": name, "dataset": dataset, "temperature": temperature,
-                       "spec": spec[1], **json.loads(found[0])}  # fmt: skip
+                       "spec": spec[1], "command": command, **json.loads(found[0])}  # fmt: skip
                 rows.append(row)
                 print(f"{dataset:9s} T={temperature:g} {name:15s} tau {row['tau']:.3f} "
                       f"depths {[round(x, 3) for x in row['per_depth']]}", flush=True)  # fmt: skip
                 if args.out:
                     out = Path(args.out)
                     rows.sort(key=row_order)
+                    # the commands that measured the rows kept: a rerun drops the ones
+                    # whose every row it replaced
+                    commands = list(dict.fromkeys(
+                        (legacy if legacy_rows else []) + [r["command"] for r in rows if "command" in r]
+                    ))  # fmt: skip
                     out.with_suffix(".json").write_text(
                         json.dumps({"commands": commands, "rows": rows}, indent=1)
                     )
