@@ -547,6 +547,8 @@ def curve(args, argv: list[str] | None) -> int:
     args.systems = args.systems.split(",")
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     check_systems(args.systems, CURVE_SYSTEMS + CURVE_OPTIONAL)
+    if args.requests_per_client < 1:
+        raise SystemExit("error: --requests-per-client must be at least 1 (1: one batch)")
     if run_as_worker(args, run_curve_worker):
         return 0
 

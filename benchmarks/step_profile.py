@@ -495,6 +495,8 @@ def arms(args, argv: list[str] | None) -> int:
 
     c = args.concurrency
     n = args.requests or c
+    if not c <= n <= 80:  # 80 MT-bench first turns: no prompt twice in a run
+        raise SystemExit(f"error: --requests must be between --concurrency ({c}) and 80")
     llm = in_process_engine("auto", args, c)  # max_num_seqs = c: c requests in flight
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
