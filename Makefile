@@ -132,16 +132,15 @@ E3_TRAIN_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct \
 	--eval-every 100 --save-every 50 --seed 0
 E3_ARGS := $(E3_TRAIN_ARGS) --features-dir $(E3_FEATURES) \
 	--data sharegpt --num-conversations 4736 --max-len 1024 --regenerate --regen-dtype bfloat16
-E3_TURNS_ARGS = $(E3_TRAIN_ARGS) --features-dir $(E3_TURNS_FEATURES) \
+# $(call e3_parts_args,FEATURES,DATA,CONVERSATIONS,MAX_TURNS,PARTS): a stage on committed
+# regenerated parts (nothing regenerated), beside the first-turn cache, split by prompt
+e3_parts_args = $(E3_TRAIN_ARGS) --features-dir $(1) \
 	--extra-features $(E3_FEATURES) --val-split prompt \
-	--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
-	--regenerate-turns all --regen-max-turns 4 --regen-parts-dir $(TURNS_DATA) \
+	--data $(2) --num-conversations $(3) --max-len 2048 --regenerate \
+	--regenerate-turns all --regen-max-turns $(4) --regen-parts-dir $(5) \
 	--regen-parts-only --regen-dtype auto
-E3_EVALS_ARGS = $(E3_TRAIN_ARGS) --features-dir $(E3_EVALS_FEATURES) \
-	--extra-features $(E3_FEATURES) --val-split prompt \
-	--data evals --num-conversations 4500 --max-len 2048 --regenerate \
-	--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) \
-	--regen-parts-only --regen-dtype auto
+E3_TURNS_ARGS = $(call e3_parts_args,$(E3_TURNS_FEATURES),sharegpt,20000,4,$(TURNS_DATA))
+E3_EVALS_ARGS = $(call e3_parts_args,$(E3_EVALS_FEATURES),evals,4500,1,$(EVALS_DATA))
 # $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last[,ARGS]]): one stage into OUT, warm-started
 # from INIT (none: the first stage); with the first-turn data (E3_ARGS) it reuses INIT's
 # conversations, with other ARGS it reads its own
