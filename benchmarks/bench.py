@@ -41,7 +41,9 @@ from common import (  # noqa: E402
     engine_kwargs,
     fmt_median,
     generate_in_flight,
+    interleaved_prompts,
     load_prompts,
+    raw_prompts,
     read_timings,
     reset_timings,
     run_as_worker,
@@ -119,11 +121,12 @@ CURVE_DOC = """Throughput against concurrency (1 -> 64 requests in flight), side
     .venv/bin/python benchmarks/bench.py curve --out benchmarks/results/concurrency-latest
 
 For each system (its own engine process, same settings) and each concurrency c, c
-requests are kept in flight: c MT-bench first turns start together and each finished
-request's slot goes to the next prompt (``common.generate_in_flight``), until
-``--requests-per-client`` x c requests (at most the 80 distinct first turns, so no
-prompt runs twice in one measurement) have been decoded to ``--max-tokens``. That is
-the load a server with c clients sees. ``--requests-per-client 1`` is one batch that
+requests are kept in flight: c prompts start together and each finished request's slot
+goes to the next prompt (``common.generate_in_flight``), until ``--requests-per-client``
+x c requests have been decoded to ``--max-tokens``. That is the load a server with c
+clients sees. The prompts (``--prompts``) are the 80 MT-bench first turns and the 164
+HumanEval stubs, interleaved: 244 distinct prompts, so no prompt runs twice in one
+measurement and 64 clients keep 64 requests in flight for nearly four waves. ``--requests-per-client 1`` is one batch that
 drains: its last steps run the slowest requests alone, which costs speculation (its
 requests finish at different steps) and not vanilla (all finish together).
 Output tokens / wall seconds is the throughput. Every ratio is against vanilla's
@@ -131,8 +134,8 @@ figure for the same c and repetition, reported as median [min-max].
 
 For ``eagle2-auto`` (``configs/eagle2-auto.yaml``, load-aware sizing) the table
 also shows which tree sizes the sizer chose at each concurrency. Every system runs
-each load once untimed (c requests, half the tokens, HumanEval prompts) before timing
-it: steady state, which for eagle2-auto includes measuring its arms at that batch size.
+each load once untimed (c requests, half the tokens, MT-bench second turns) before
+timing it: steady state, which for eagle2-auto includes measuring its arms at that batch size.
 Prefix caching is off for every system: the repetitions reuse prompts.
 
 Output: ``OUT.json`` (raw), ``OUT.md`` (table), ``OUT.png`` (curve).
@@ -414,8 +417,9 @@ def run_curve_worker(system: str, args) -> list[dict]:
     # that one for its drafter)
     kwargs = engine_kwargs(args.dtype, max(args.concurrency), args.max_model_len)
     llm = build_engine(system, args, **kwargs, enable_prefix_caching=False)
-    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
-    warm_prompts = load_prompts("humaneval", 80, llm.get_tokenizer())
+    prompts = interleaved_prompts(args.prompts, llm.get_tokenizer())
+    # untimed warm-up loads: prompts the timed ones never are
+    warm_prompts = load_prompts("mtbench-turn2", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows = []
@@ -532,8 +536,11 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests-per-client", type=int, default=4,
-                   help="requests per level: this many times the concurrency, at most 80 "
-                        "(1: one batch that drains)")  # fmt: skip
+                   help="requests per level: this many times the concurrency, at most the "
+                        "distinct prompts (1: one batch that drains)")  # fmt: skip
+    p.add_argument("--prompts", default="mtbench,humaneval",
+                   help="prompt sets, interleaved into one pool of distinct prompts "
+                        "(mtbench: 80, humaneval: 164)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
@@ -549,6 +556,7 @@ def curve(args, argv: list[str] | None) -> int:
     check_systems(args.systems, CURVE_SYSTEMS + CURVE_OPTIONAL)
     if args.requests_per_client < 1:
         raise SystemExit("error: --requests-per-client must be at least 1 (1: one batch)")
+    pool = sum(len(raw_prompts(name)) for name in args.prompts.split(","))
     if run_as_worker(args, run_curve_worker):
         return 0
 
@@ -559,8 +567,9 @@ def curve(args, argv: list[str] | None) -> int:
         f"# Throughput vs concurrency: {Path(args.target).name}\n\n"
         f"Command: `{command_line('benchmarks/bench.py', argv)}`\n\n"
         f"dtype {args.dtype}, enforce_eager, no prefix cache, T={args.temperature:g}, "
-        f"{args.max_tokens} tokens per request, MT-bench first turns, c requests in flight "
-        f"until {args.requests_per_client}c (at most 80) are done, {args.reps} reps; "
+        f"{args.max_tokens} tokens per request, c requests in flight until "
+        f"{args.requests_per_client}c (at most the {pool} distinct prompts of "
+        f"{args.prompts}, interleaved) are done, {args.reps} reps; "
         f"speculative systems as "
         f"ratios to vanilla at the same concurrency; wall time {time.time() - started:.0f} s.\n\n"
     )

@@ -68,21 +68,42 @@ PINS = {"off": "0,1", "one-draft": "1,2", "tree-1-4": "1,4", "tree-2-6": "2,6", 
 # -- prompts and counters --------------------------------------------------------------
 
 
-def load_prompts(dataset: str, n: int, tokenizer) -> list[str]:
-    """The first ``n`` prompts of ``mtbench`` (first turns, in the target's chat template)
-    or ``humaneval`` (raw completion)."""
+PROMPT_SETS = ("mtbench", "mtbench-turn2", "humaneval")
+
+
+def raw_prompts(dataset: str) -> list[str]:
+    """The texts of a prompt set: MT-bench's 80 first (``mtbench``) or second
+    (``mtbench-turn2``) turns, or HumanEval's 164 stubs."""
     from eagle_vllm.datasets import humaneval_prompts, mtbench_prompts
 
-    if dataset == "mtbench":
-        return [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-            for q in mtbench_prompts(0)[:n]
-        ]
+    if dataset in ("mtbench", "mtbench-turn2"):
+        return mtbench_prompts(1 if dataset == "mtbench-turn2" else 0)
     if dataset == "humaneval":
-        return humaneval_prompts()[:n]
-    raise SystemExit(f"error: unknown dataset '{dataset}' (use mtbench, humaneval)")
+        return humaneval_prompts()
+    raise SystemExit(
+        f"error: unknown prompt set '{dataset}'. Fix: one of {', '.join(PROMPT_SETS)}."
+    )
+
+
+def load_prompts(dataset: str, n: int | None, tokenizer) -> list[str]:
+    """The first ``n`` (None: all) prompts of a set: MT-bench turns in the target's chat
+    template (a second turn alone, without its first), HumanEval stubs raw (completion)."""
+    texts = raw_prompts(dataset)[:n]
+    if dataset == "humaneval":
+        return texts
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in texts
+    ]
+
+
+def interleaved_prompts(datasets: str, tokenizer) -> list[str]:
+    """Every prompt of the comma-separated sets, taken round-robin (a set that runs out
+    drops out), so any window of the pool mixes them."""
+    sets = [load_prompts(name, None, tokenizer) for name in datasets.split(",")]
+    return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
 
 
 def generate_in_flight(llm, prompts: list, params, concurrency: int) -> list:

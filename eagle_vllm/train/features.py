@@ -104,6 +104,11 @@ def extract_features(
     num_shards = -(-len(examples) // shard_size)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
+        if layers is None and meta.get("layers") is not None:
+            # An EAGLE-3 cache of the same data also holds the last hidden state, all an
+            # EAGLE-1 head trains on: use (and finish) it as it is.
+            layers = tuple(meta["layers"])
+            fingerprint = _fingerprint(Path(target), examples, dtype, layers)
         if meta["fingerprint"] != fingerprint:
             raise ValueError(
                 f"feature cache '{cache}' was built for other data/target/dtype "
@@ -198,7 +203,8 @@ def check_extra_cache(
     cache_dir: str | Path, target: str | Path, layers: tuple[int, ...] | None
 ) -> Path:
     """Refuse a finished feature cache from another run that cannot be trained on beside
-    this run's: unfinished, made for another target (by folder name) or other layers."""
+    this run's: unfinished, made for another target (by folder name), or, for an EAGLE-3
+    run, of other layers (an EAGLE-1 run reads the last hidden state every cache holds)."""
     cache = Path(cache_dir)
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
@@ -219,7 +225,8 @@ def check_extra_cache(
             f"'{target}'. Fix: extract them with this --target."
         )
     theirs = None if meta.get("layers") is None else tuple(meta["layers"])
-    if theirs != (None if layers is None else tuple(layers)):
+    # every cache holds the last hidden state, so an EAGLE-1 run (layers None) reads any
+    if layers is not None and theirs != tuple(layers):
         raise ValueError(
             f"--extra-features '{cache}' holds layers {theirs}, this run trains on {layers} "
             "(None: the last layer only, EAGLE-1). Fix: use a cache of the same --arch and "

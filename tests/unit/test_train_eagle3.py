@@ -612,6 +612,42 @@ def test_feature_cache_loads_memory_mapped(tmp_path):
         check_extra_cache(tmp_path, "/elsewhere/tiny-target", (0, 1))
 
 
+def test_an_eagle1_run_reads_an_eagle3_feature_cache(tmp_path):
+    """An EAGLE-3 cache holds the last hidden state too: an EAGLE-1 run over the same data
+    uses it as it is (no target forward), and takes any finished cache as an extra one."""
+    from eagle_vllm.train.features import (
+        _fingerprint,
+        check_extra_cache,
+        extract_features,
+        load_features,
+    )
+    from eagle_vllm.train.tokenize import TokenizedConversation
+
+    gen = torch.Generator().manual_seed(1)
+    convs = [TokenizedConversation(torch.randint(0, 99, (n,), generator=gen),
+                                   torch.rand(n, generator=gen) > 0.5) for n in (5, 9)]  # fmt: skip
+    payload = {
+        "input_ids": [c.input_ids.to(torch.int32) for c in convs],
+        "loss_mask": [c.loss_mask for c in convs],
+        "hidden": [torch.randn(len(c.input_ids), 8, generator=gen).bfloat16() for c in convs],
+        "aux": [torch.randn(len(c.input_ids), 16, generator=gen).bfloat16() for c in convs],
+    }
+    torch.save(payload, tmp_path / "shard-00000.pt")
+    target = tmp_path / "no-such-target"  # loading it would fail: nothing may be computed
+    meta = {"fingerprint": _fingerprint(target, convs, "bfloat16", (0, 1)),
+            "target": str(target), "dtype": "bfloat16", "num_examples": 2, "num_tokens": 14,
+            "num_shards": 1, "hidden_size": 8, "layers": [0, 1]}  # fmt: skip
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert extract_features(target, convs, tmp_path, progress=False) == tmp_path
+    assert json.loads((tmp_path / "meta.json").read_text())["layers"] == [0, 1]
+    for ex, hidden in zip(load_features(tmp_path), payload["hidden"]):
+        assert torch.equal(ex.hidden, hidden)
+    assert check_extra_cache(tmp_path, target, None) == tmp_path
+    other = [TokenizedConversation(c.input_ids.flip(0), c.loss_mask) for c in convs]
+    with pytest.raises(ValueError, match="other data.*Fix"):
+        extract_features(target, other, tmp_path, progress=False)
+
+
 def test_warm_start_of_an_eagle1_head(tmp_path):
     """The EAGLE-1 trainer takes --init-from too (its export is its module's state dict)."""
     from tiny_models import build_target
