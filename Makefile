@@ -78,32 +78,54 @@ vllm-suffix:
 	bash benchmarks/build_arctic_suffix.sh
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
-# made it. The first user turns of ShareGPT conversations 0-4736 (MT-bench/HumanEval
-# overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320 tokens, through
-# vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns the text it
-# must predict at serving time: 4308 usable conversations, 1.67M tokens. fp32 features.
-# It is trained in runs of growing length (REF_HEAD_STEPS: 700, 1100, 2000, 3000, 4000
-# steps), each resuming from state.pt with the cosine schedule restarted over the new
-# length, as the committed head was; the loop replays them. Resumable at every stage.
-# About 30 minutes of feature extraction and 65 of training on 2 cores.
+# made it, in two stages.
+# Stage 1 (REF_HEAD_STAGE1): the first user turns of ShareGPT conversations 0-4736
+# (MT-bench/HumanEval overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320
+# tokens, through vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns
+# the text it must predict at serving time: 4308 usable conversations, 1.67M tokens. fp32
+# features. It is trained in runs of growing length (REF_HEAD_STEPS: 700, 1100, 2000,
+# 3000, 4000 steps), each resuming from state.pt with the cosine schedule restarted over
+# the new length; the loop replays them. About 30 minutes of feature extraction and 65 of
+# training on 2 cores.
+# Stage 2: warm-started from stage 1 (--init-from: a new optimiser and schedule), 2000
+# steps at lr 3e-4 over stage 1's conversations and SmolLM2's answers to the first 4500
+# OpenAI evals task prompts ($(EVALS_DATA); 3.31M tokens together), validated on a split
+# by prompt. It reads the bf16 feature caches of the EAGLE-3 head's stages 1 and 5
+# (E3_FEATURES, E3_EVALS_FEATURES: an EAGLE-3 cache holds the last hidden state too), so
+# `make eagle3-head` runs first. 43 minutes on 2 cores. Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
+REF_HEAD_STAGE1 := artifacts/eagle1-stage1
 REF_HEAD_STEPS := 700 1100 2000 3000 4000
+REF_HEAD_ARGS := --target models/SmolLM2-135M-Instruct --regen-max-tokens 320 \
+	--tokens-per-batch 4096 --ce-vocab 16384 --ce-weight 0.1 --ce-labels soft \
+	--noise uniform --noise-scale 0.1 --save-every 50 --seed 0
 reference-head:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
-	mkdir -p $(REF_HEAD)
-	test -f $(REF_HEAD)/conversations.partial.jsonl || \
-		cp $(REGEN_DATA)/conversations.partial.jsonl $(REF_HEAD)/
-	for steps in $(REF_HEAD_STEPS); do { \
+	mkdir -p $(REF_HEAD_STAGE1)
+	test -f $(REF_HEAD_STAGE1)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(REF_HEAD_STAGE1)/
+	test -f $(REF_HEAD_STAGE1)/model.safetensors || for steps in $(REF_HEAD_STEPS); do { \
 	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
-	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REF_HEAD) \
+	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD_STAGE1) \
 		--data sharegpt --num-conversations 4736 --max-len 1024 \
-		--regenerate --regen-max-tokens 320 --regen-dtype bfloat16 --feature-dtype float32 \
-		--max-steps $$steps --lr 5e-4 --warmup-steps 50 --tokens-per-batch 4096 \
-		--ce-vocab 16384 --ce-weight 0.1 --ce-labels soft --noise uniform --noise-scale 0.1 \
-		--eval-every 100 --save-every 50 --seed 0 2>&1 || echo failed > $(REF_HEAD).failed; } \
+		--regenerate --regen-dtype bfloat16 --feature-dtype float32 \
+		--max-steps $$steps --lr 5e-4 --warmup-steps 50 --eval-every 100 \
+		2>&1 || echo failed > $(REF_HEAD).failed; } \
 		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
 	done
+	test -f $(E3_FEATURES)/meta.json && test -f $(E3_EVALS_FEATURES)/meta.json || { echo \
+		"reference-head: stage 2 trains on the feature caches of make eagle3-head; run it first"; \
+		exit 1; }
+	{ $(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD) \
+		--init-from $(REF_HEAD_STAGE1) --features-dir $(E3_EVALS_FEATURES) \
+		--extra-features $(E3_FEATURES) --val-split prompt \
+		--data evals --num-conversations 4500 --max-len 2048 --regenerate \
+		--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) \
+		--regen-parts-only --regen-dtype auto --feature-dtype bfloat16 \
+		--max-steps 2000 --lr 3e-4 --warmup-steps 20 --eval-every 200 \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
 
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in five stages, each
 # warm-started from the one before (--init-from: a new optimiser and schedule). Stages 1-3:
