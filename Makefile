@@ -40,10 +40,10 @@ lint:
 	$(VENV)/bin/ruff check eagle_vllm tests benchmarks examples
 	$(VENV)/bin/ruff format --check eagle_vllm tests benchmarks examples
 
-# The side-by-side table and curve of BENCHMARKS.md in one command (about 92 minutes on a
+# The side-by-side table and curve of BENCHMARKS.md in one command (about 98 minutes on a
 # 2-core AVX-512 BF16 machine): the sizing profile, the table and plot (`bench.py table`,
 # BENCH_SYSTEMS below) on MT-bench and HumanEval at batch 1/4/16 and T=0/1, then
-# throughput against 1 -> 64 requests kept in flight (`bench.py curve`, 16 minutes).
+# throughput against 1 -> 64 requests kept in flight (`bench.py curve`, 22 minutes).
 # Outputs: benchmarks/results/table-cpu.{md,json,png} and curve-cpu.{md,json,png}.
 # fp32: on a CPU without AVX-512 BF16, vLLM's bf16 linear falls back to slow torch GEMMs,
 # so bf16 figures depend on the machine; fp32's do not, which keeps figures measured on
