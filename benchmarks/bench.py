@@ -126,9 +126,10 @@ goes to the next prompt (``common.generate_in_flight``), until ``--requests-per-
 x c requests have been decoded to ``--max-tokens``. That is the load a server with c
 clients sees. The prompts (``--prompts``) are the 80 MT-bench first turns and the 164
 HumanEval stubs, interleaved: 244 distinct prompts, so no prompt runs twice in one
-measurement and 64 clients keep 64 requests in flight for nearly four waves. ``--requests-per-client 1`` is one batch that
-drains: its last steps run the slowest requests alone, which costs speculation (its
-requests finish at different steps) and not vanilla (all finish together).
+measurement and 64 clients keep 64 requests in flight for nearly four waves.
+``--requests-per-client 1`` is one batch that drains: its last steps run the slowest
+requests alone, which costs speculation (its requests finish at different steps) and not
+vanilla (all finish together).
 Output tokens / wall seconds is the throughput. Every ratio is against vanilla's
 figure for the same c and repetition, reported as median [min-max].
 
@@ -557,6 +558,11 @@ def curve(args, argv: list[str] | None) -> int:
     if args.requests_per_client < 1:
         raise SystemExit("error: --requests-per-client must be at least 1 (1: one batch)")
     pool = sum(len(raw_prompts(name)) for name in args.prompts.split(","))
+    if "mtbench-turn2" in args.prompts.split(","):
+        raise SystemExit(
+            "error: --prompts may not hold mtbench-turn2: the untimed warm-up loads use it. "
+            "Fix: mtbench, humaneval or both."
+        )
     if run_as_worker(args, run_curve_worker):
         return 0
 
