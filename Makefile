@@ -118,11 +118,7 @@ reference-head:
 		"reference-head: stage 2 trains on the feature caches of make eagle3-head; run it first"; \
 		exit 1; }
 	{ $(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD) \
-		--init-from $(REF_HEAD_STAGE1) --features-dir $(E3_EVALS_FEATURES) \
-		--extra-features $(E3_FEATURES) --val-split prompt \
-		--data evals --num-conversations 4500 --max-len 2048 --regenerate \
-		--regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) \
-		--regen-parts-only --regen-dtype auto --feature-dtype bfloat16 \
+		--init-from $(REF_HEAD_STAGE1) $(EVALS_PARTS) --feature-dtype bfloat16 \
 		--max-steps 2000 --lr 3e-4 --warmup-steps 20 --eval-every 200 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
@@ -154,15 +150,18 @@ E3_TRAIN_ARGS := --arch eagle3 --target models/SmolLM2-135M-Instruct \
 	--eval-every 100 --save-every 50 --seed 0
 E3_ARGS := $(E3_TRAIN_ARGS) --features-dir $(E3_FEATURES) \
 	--data sharegpt --num-conversations 4736 --max-len 1024 --regenerate --regen-dtype bfloat16
-# $(call e3_parts_args,FEATURES,DATA,CONVERSATIONS,MAX_TURNS,PARTS): a stage on committed
-# regenerated parts (nothing regenerated), beside the first-turn cache, split by prompt
-e3_parts_args = $(E3_TRAIN_ARGS) --features-dir $(1) \
+# $(call parts_data_args,FEATURES,DATA,CONVERSATIONS,MAX_TURNS,PARTS): training data of
+# committed regenerated parts (nothing regenerated), beside the first-turn cache, split by
+# prompt; $(call e3_parts_args,...): the same for an EAGLE-3 stage
+parts_data_args = --features-dir $(1) \
 	--extra-features $(E3_FEATURES) --val-split prompt \
 	--data $(2) --num-conversations $(3) --max-len 2048 --regenerate \
 	--regenerate-turns all --regen-max-turns $(4) --regen-parts-dir $(5) \
 	--regen-parts-only --regen-dtype auto
+e3_parts_args = $(E3_TRAIN_ARGS) $(call parts_data_args,$(1),$(2),$(3),$(4),$(5))
+EVALS_PARTS = $(call parts_data_args,$(E3_EVALS_FEATURES),evals,4500,1,$(EVALS_DATA))
 E3_TURNS_ARGS = $(call e3_parts_args,$(E3_TURNS_FEATURES),sharegpt,20000,4,$(TURNS_DATA))
-E3_EVALS_ARGS = $(call e3_parts_args,$(E3_EVALS_FEATURES),evals,4500,1,$(EVALS_DATA))
+E3_EVALS_ARGS = $(E3_TRAIN_ARGS) $(EVALS_PARTS)
 # $(call e3_stage,OUT,STEPS,LR,WARMUP,INIT[,last[,ARGS]]): one stage into OUT, warm-started
 # from INIT (none: the first stage); with the first-turn data (E3_ARGS) it reuses INIT's
 # conversations, with other ARGS it reads its own
