@@ -95,7 +95,7 @@ def main() -> int:
             "# Training-time-test levers (EAGLE-3, SmolLM2-135M-Instruct)",
             "",
             f"`python benchmarks/ttt_levers.py --conversations {args.conversations} --steps "
-            f"{args.steps} --prompts {args.prompts} --out {args.out}`",
+            f"{args.steps} --levers {args.levers} --prompts {args.prompts} --out {args.out}`",
             "",
             "| lever | s/step | val top-1 per unrolled step | " + " | ".join(columns) + " |",
             "|---|---|---|" + "---|" * len(columns),
