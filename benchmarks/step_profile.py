@@ -132,9 +132,10 @@ def run_phases_worker(system: str, args) -> list[dict]:
             row = dict(system=system, rep=rep, concurrency=c, tok_s=tokens / seconds)
             if system != "vanilla":
                 timings = read_timings(llm)
-                row["ms_per_step"] = {
-                    k: 1000 * v["seconds"] / max(v["calls"], 1) for k, v in timings.items()
-                }
+                # per engine step (execute_model runs once a step), not per call of the
+                # phase: draft_catch_up runs only in the steps where requests catch up
+                steps = max(timings.get("execute_model", {}).get("calls", 1), 1)
+                row["ms_per_step"] = {k: 1000 * v["seconds"] / steps for k, v in timings.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     shutdown(llm)
@@ -436,6 +437,11 @@ def _pin_arm(worker, arm: tuple[int, int]) -> bool:
     return True
 
 
+def _sizer_arms(worker) -> list[tuple[int, int]]:
+    """Run on the worker: the sizer's arms."""
+    return list(worker.model_runner.sizer.arms)
+
+
 def _set_first_pass(worker, full: bool) -> bool:
     """Run on the worker: ``full`` makes the drafter's first pass run the last draft layer
     on every row, as before it ran only at the rows read (``--first-pass both``)."""
@@ -498,6 +504,13 @@ def arms(args, argv: list[str] | None) -> int:
     if not c <= n <= 80:  # 80 MT-bench first turns: no prompt twice in a run
         raise SystemExit(f"error: --requests must be between --concurrency ({c}) and 80")
     llm = in_process_engine("auto", args, c)  # max_num_seqs = c: c requests in flight
+    known = [tuple(a) for a in llm.collective_rpc(_sizer_arms)[0]]
+    unknown = [a for a in (*swept, *profiled) if a not in known]
+    if unknown:  # refused before any arm runs, not when the run reaches it
+        raise SystemExit(
+            f"error: --arms/--profile: {', '.join(f'{d},{m}' for d, m in unknown)} not among "
+            f"the sizer's arms for this config: {' '.join(f'{d},{m}' for d, m in known)}"
+        )
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
