@@ -557,8 +557,9 @@ def curve(args, argv: list[str] | None) -> int:
     check_systems(args.systems, CURVE_SYSTEMS + CURVE_OPTIONAL)
     if args.requests_per_client < 1:
         raise SystemExit("error: --requests-per-client must be at least 1 (1: one batch)")
-    pool = sum(len(raw_prompts(name)) for name in args.prompts.split(","))
-    if "mtbench-turn2" in args.prompts.split(","):
+    names = args.prompts.split(",")
+    pool = sum(len(raw_prompts(name)) for name in names)
+    if "mtbench-turn2" in names:
         raise SystemExit(
             "error: --prompts may not hold mtbench-turn2: the untimed warm-up loads use it. "
             "Fix: mtbench, humaneval or both."

@@ -105,6 +105,11 @@ output tokens/s, the ratio to vanilla, and the plugin's wall time per runner pha
 PHASES = ("target_forward", "verify", "draft", "draft_catch_up", "execute_model", "sample_tokens")
 
 
+def _engine_steps(timings: dict) -> int:
+    """Engine steps in runner timings (``execute_model`` runs once a step), at least 1."""
+    return max(timings.get("execute_model", {}).get("calls", 1), 1)
+
+
 def run_phases_worker(system: str, args) -> list[dict]:
     from vllm import SamplingParams
 
@@ -132,9 +137,9 @@ def run_phases_worker(system: str, args) -> list[dict]:
             row = dict(system=system, rep=rep, concurrency=c, tok_s=tokens / seconds)
             if system != "vanilla":
                 timings = read_timings(llm)
-                # per engine step (execute_model runs once a step), not per call of the
-                # phase: draft_catch_up runs only in the steps where requests catch up
-                steps = max(timings.get("execute_model", {}).get("calls", 1), 1)
+                # per engine step, not per call of the phase: draft_catch_up runs only
+                # in the steps where requests catch up
+                steps = _engine_steps(timings)
                 row["ms_per_step"] = {k: 1000 * v["seconds"] / steps for k, v in timings.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -428,10 +433,9 @@ cost time over a chain's (at batch 1, the CPU tree attention, ``attention/cpu_ba
 
 
 def _pin_arm(worker, arm: tuple[int, int]) -> bool:
-    """Run on the worker (``collective_rpc``): pin the sizer to ``arm``, zero the timers."""
+    """Run on the worker (``collective_rpc``): pin the sizer to ``arm`` (one of its arms:
+    ``arms`` checks them all first), zero the timers."""
     runner = worker.model_runner
-    if arm not in runner.sizer.arms:
-        raise ValueError(f"{arm} is not one of the sizer's arms {runner.sizer.arms}")
     runner.sizer.pinned = arm
     runner.timings.snapshot(reset=True)
     return True
@@ -529,7 +533,7 @@ def arms(args, argv: list[str] | None) -> int:
             outs = llm.generate(batch, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             phases = read_timings(llm, reset=True)
-            steps = max(phases.get("execute_model", {}).get("calls", 1), 1)
+            steps = _engine_steps(phases)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             split = " ".join(
                 f"{name}={1e3 * v['seconds'] / steps:.1f}" for name, v in sorted(phases.items())
@@ -545,7 +549,7 @@ def arms(args, argv: list[str] | None) -> int:
         batch = [prompts[(40 + i) % 80] for i in range(c)]
         with profile() as prof:
             llm.generate(batch, params, use_tqdm=False)
-        steps = max(read_timings(llm, reset=True).get("execute_model", {}).get("calls", 1), 1)
+        steps = _engine_steps(read_timings(llm, reset=True))
         print(f"\nprofile of {arm}: {steps} engine steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
