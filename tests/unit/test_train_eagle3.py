@@ -4,6 +4,7 @@ time test against a step-by-step drafting reference, the loss's masks, and the e
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -698,3 +699,54 @@ def test_regen_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
     monkeypatch.setattr(config, "cpu_has_bf16_gemm", lambda: False)
     assert _regen_dtype("auto") == "float32"
     assert _regen_dtype("bfloat16") == "bfloat16" and _regen_dtype("float32") == "float32"
+
+
+def test_eagle1_agreement_on_greedy_answers_is_the_validation_accuracy(tmp_path):
+    """benchmarks/head_agreement.py scores an EAGLE-1 head at depth 1 against the answer's
+    next token. On greedy answers (each token the target's argmax after the one before)
+    that is the trainer's validation accuracy; with a draft vocabulary, tokens outside it
+    count as misses and their share is reported."""
+    import sys
+
+    from tiny_models import build_target
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from head_agreement import score_eagle1_head
+
+    from eagle_vllm.train.features import Example
+    from eagle_vllm.train.trainer import TrainConfig, Trainer, load_target_embeddings
+
+    target = build_target(tmp_path / "t", layers=2)
+    _, _, lm_head = load_target_embeddings(target)
+    hidden = lm_head.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(6):
+        feats = torch.randn(24, hidden, generator=gen)
+        ids = torch.cat(
+            [torch.randint(4, 250, (1,), generator=gen), (feats @ lm_head.T).argmax(-1)[:-1]]
+        )
+        # answer positions, the last one without a next token to predict
+        mask = (torch.arange(24) >= 5) & (torch.arange(24) < 23)
+        examples.append(Example(ids, mask, feats))
+    cfg = TrainConfig(max_steps=3, warmup_steps=1, tokens_per_batch=120, eval_every=3,
+                      save_every=3, log_every=1, ce_vocab=0, noise="none")  # fmt: skip
+    trained = Trainer(target, examples, tmp_path / "head", cfg)
+    trained.fit(progress=False)
+    trained.export("float32")
+    vocab = torch.randperm(lm_head.shape[0], generator=gen)
+    (trained.out / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab.tolist()}))
+
+    full = score_eagle1_head(str(target), trained.out, examples, tmp_path / "s", draft_vocab=0)
+    judge = Trainer(target, examples, tmp_path / "judge",
+                    TrainConfig(**{**cfg.__dict__, "init_from": str(trained.out),
+                                   "tokens_per_batch": 10_000}))  # fmt: skip
+    judge.val = examples
+    assert full["in_vocab"] == 1.0
+    assert full["val_acc_1"] == pytest.approx(judge.evaluate()["val_acc"], abs=1e-6)
+
+    keep = 40
+    part = score_eagle1_head(str(target), trained.out, examples, tmp_path / "s", draft_vocab=keep)
+    wanted = torch.cat([ex.input_ids[2:][ex.loss_mask[1:-1]] for ex in examples])
+    assert part["in_vocab"] == pytest.approx(float(torch.isin(wanted, vocab[:keep]).float().mean()))
+    assert part["val_acc_1"] <= part["in_vocab"]
