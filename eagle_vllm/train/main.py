@@ -125,6 +125,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=kind, default=f.default)
 
 
+def _skipped_count(args) -> int:
+    """How many usable conversations ``--skip-conversations`` passes over: the index the
+    selection's first conversation has in a selection from the beginning (eval prompts
+    dropped from both alike), so parts made from either are shared."""
+    if not args.skip_conversations:
+        return 0
+    if args.data == "sharegpt":  # its skip counts records, usable or not
+        from itertools import islice
+
+        from eagle_vllm.datasets import (
+            drop_eval_overlap,
+            eval_prompt_keys,
+            iter_sharegpt_records,
+            to_messages,
+        )
+
+        records = islice(iter_sharegpt_records(), args.skip_conversations)
+        usable = [m for m in map(to_messages, records) if m]
+        return len(drop_eval_overlap(usable, eval_prompt_keys()))
+    skipped = {**vars(args), "skip_conversations": 0, "num_conversations": args.skip_conversations}
+    return len(_conversations(argparse.Namespace(**skipped)))
+
+
 def _conversations(args) -> list[list[dict]]:
     from eagle_vllm.datasets import drop_eval_overlap, eval_prompt_keys, sharegpt_conversations
 
@@ -216,7 +239,8 @@ def run(args: argparse.Namespace) -> Path:
                 convs = regenerate_conversations(
                     args.target, convs, max_turns=args.regen_max_turns,
                     parts_dir=Path(args.regen_parts_dir or out / "dialogues"),
-                    chunk=args.regen_chunk, parts_only=args.regen_parts_only, **regen,
+                    chunk=args.regen_chunk, parts_only=args.regen_parts_only,
+                    first_index=_skipped_count(args), **regen,
                 )  # fmt: skip
             except ValueError as e:
                 raise SystemExit(f"error: {e}") from None

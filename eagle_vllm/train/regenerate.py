@@ -116,6 +116,7 @@ def regenerate_conversations(
     chunk: int = 256,
     concurrency: int = 256,
     parts_only: bool = False,
+    first_index: int = 0,
 ) -> list[list[dict]]:
     """Each conversation's user turns (up to ``max_turns``) answered one turn at a time by
     the target, the dialogue so far as context; a turn whose context leaves no room for
@@ -132,13 +133,17 @@ def regenerate_conversations(
     rerun answers only conversations no part holds. Parts can be committed as they come.
     Greedy answers do not depend on the batch, so a resumed run writes what an
     uninterrupted one would have. ``parts_only``: answer nothing, return the
-    conversations the parts already hold (to train on a run stopped partway)."""
+    conversations the parts already hold (to train on a run stopped partway).
+
+    ``first_index``: the parts' index of ``conversations[0]``, for a selection that starts
+    past the beginning of the data the parts were made from (``--skip-conversations``),
+    so that it reads and writes the same parts as a selection from the beginning."""
     from vllm import LLM, SamplingParams
 
     parts_dir = Path(parts_dir)
     parts_dir.mkdir(parents=True, exist_ok=True)
     done = read_parts(parts_dir)
-    todo = [i for i in range(len(conversations)) if i not in done]
+    todo = [i for i in range(len(conversations)) if first_index + i not in done]
     if parts_only:
         held = len(conversations) - len(todo)
         if not held:
@@ -159,8 +164,8 @@ def regenerate_conversations(
             )
             finished: list[tuple[int, list[dict]]] = []
             for index, dialogue in dialogues.run(concurrency):
-                finished.append((index, dialogue))
-                done[index] = dialogue
+                finished.append((first_index + index, dialogue))
+                done[first_index + index] = dialogue
                 if len(finished) == chunk:
                     _write_part(parts_dir, finished)
                     finished = []
@@ -171,7 +176,8 @@ def regenerate_conversations(
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
-    return [done[i] for i in range(len(conversations)) if done.get(i)]
+    indices = range(first_index, first_index + len(conversations))
+    return [done[i] for i in indices if done.get(i)]
 
 
 class _DialogueStream:
