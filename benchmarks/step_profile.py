@@ -122,7 +122,7 @@ def run_phases_worker(system: str, args) -> list[dict]:
     prompts = load_prompts("mtbench", 80, tokenizer)
     warm_prompts = load_prompts("humaneval", 80, tokenizer)
     rows = []
-    for rep in range(args.reps):
+    for rep in range(args.first_rep, args.first_rep + args.reps):
         for c in args.concurrency:
             warm = SamplingParams(temperature=0, max_tokens=args.max_tokens // 2, ignore_eos=True)
             llm.generate(warm_prompts[(rep * 7) % 16 :][:c], warm, use_tqdm=False)
@@ -183,7 +183,14 @@ def add_phases_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/step-profile-latest"))
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="each repetition in fresh processes, the systems taking turns (ABBA), so that "
+        "what one engine process differs from another lands on every system alike",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--first-rep", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def phases(args, argv: list[str] | None) -> int:
@@ -194,13 +201,16 @@ def phases(args, argv: list[str] | None) -> int:
         return 0
 
     started = time.time()
-    rows = run_systems(__file__, args.systems, argv, args.out)
+    rounds = args.reps if args.interleave else 0
+    rows = run_systems(__file__, args.systems, argv, args.out, rounds=rounds)
+    processes = "a fresh engine process per system and repetition, the systems taking turns"
     md = (
         f"# Step profile: {Path(args.target).name}\n\n"
         f"Command: `{command_line(SCRIPT, argv)}`\n\n"
         f"dtype {args.dtype}, enforce_eager, T=0, {args.max_tokens} tokens per request, "
         f"MT-bench first turns (warm-up on HumanEval), {args.reps} reps, median [min-max]; "
-        f"phases from the plugin's runner timers; wall time {time.time() - started:.0f} s.\n\n"
+        + (f"{processes}; " if args.interleave else "one engine process per system; ")
+        + f"phases from the plugin's runner timers; wall time {time.time() - started:.0f} s.\n\n"
         + summarise_phases(rows, args.systems, args.concurrency)
     )
     write_results(args.out, args, rows, md)
