@@ -34,29 +34,39 @@ def test_a_gap_in_the_indices_is_refused_with_the_fix(tmp_path):
         _answers_done(progress)
 
 
-@pytest.mark.parametrize("data, skip", [("sharegpt", 60), ("evals", 300)])
+@pytest.mark.parametrize("data, skip", [("sharegpt", 60), ("file", 30)])
 def test_a_selection_that_skips_reads_the_parts_where_a_selection_from_the_start_wrote(
     tmp_path, data, skip
 ):
     """Parts are indexed from the beginning of the data. A selection made with
-    --skip-conversations (records for ShareGPT, selected prompts for evals) reads the
-    dialogues a selection from the start wrote for the same conversations, not the first
-    ones again."""
+    --skip-conversations (ShareGPT records, or rows of a file) reads the dialogues a
+    selection from the start wrote for the same conversations, not the first ones again,
+    also where unusable records and eval prompts were dropped before it."""
     from argparse import Namespace
 
+    from eagle_vllm.datasets import mtbench_prompts
     from eagle_vllm.train.main import _conversations, _skipped_count
     from eagle_vllm.train.regenerate import _write_part, regenerate_conversations
 
-    whole = _conversations(Namespace(data=data, skip_conversations=0, num_conversations=skip + 20))
-    later_args = Namespace(data=data, skip_conversations=skip, num_conversations=20)
+    if data == "file":
+        rows = [[{"role": "user", "content": f"question {i}"}] for i in range(60)]
+        for i in (3, 11, 40):  # eval prompts, dropped from training data
+            rows[i] = [{"role": "user", "content": mtbench_prompts()[i]}]
+        data = tmp_path / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    whole = _conversations(Namespace(data=str(data), skip_conversations=0,
+                                     num_conversations=skip + 20))  # fmt: skip
+    later_args = Namespace(data=str(data), skip_conversations=skip, num_conversations=20)
     later, first = _conversations(later_args), _skipped_count(later_args)
-    assert 0 < first < skip + 20 and later
+    assert 0 < first < skip and later
     assert whole[first : first + len(later)] == later
     answered = [
         c[:1] + [{"role": "assistant", "content": f"answer {i}"}] for i, c in enumerate(whole)
     ]
-    _write_part(tmp_path, list(enumerate(answered)))
+    _write_part(parts, list(enumerate(answered)))
     got = regenerate_conversations(
-        "no-target", later, parts_dir=tmp_path, parts_only=True, first_index=first
+        "no-target", later, parts_dir=parts, parts_only=True, first_index=first
     )
     assert got == answered[first : first + len(later)]
