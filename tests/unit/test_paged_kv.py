@@ -173,7 +173,7 @@ def test_gather_reads_what_vllm_wrote_in_the_amx_layout(vllm_cpu, block_size, he
     try:
         write_kv(ops, "amx", kv_cache, torch.cat(keys)[order].contiguous(),
                  torch.cat(values)[order].contiguous(), torch.cat(slots)[order].contiguous())  # fmt: skip
-    except RuntimeError as e:  # a CPU without AVX-512: vLLM has no AMX writer for it
+    except RuntimeError as e:  # a CPU without AVX-512 BF16: vLLM has no AMX writer for it
         pytest.skip(f"vLLM's 'amx' KV writer does not run on this CPU: {e}")
     k_out, v_out = gather_cpu_kv(kv_cache, block_table, max(lens), "amx")
     for r, n in enumerate(lens):

@@ -90,8 +90,13 @@ def test_tree_rows_match_the_reference(
 
     def write(b: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = block_table[b, positions // block].long() * block + positions % block
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+        try:
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+        except RuntimeError as e:  # 'amx' on a CPU without AVX-512 BF16: vLLM has no writer
+            if isa != "amx":
+                raise
+            pytest.skip(f"vLLM's 'amx' KV writer does not run on this CPU: {e}")
 
     # the step's query rows: request b's nodes at flat rows root_index[b] + j
     root_index = torch.tensor([0, *torch.tensor(num_nodes).cumsum(0)[:-1].tolist()])
