@@ -78,7 +78,7 @@ vllm-suffix:
 	bash benchmarks/build_arctic_suffix.sh
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
-# made it, in two stages.
+# made it, in three stages.
 # Stage 1 (REF_HEAD_STAGE1): the first user turns of ShareGPT conversations 0-4736
 # (MT-bench/HumanEval overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320
 # tokens, through vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns
@@ -87,14 +87,21 @@ vllm-suffix:
 # 3000, 4000 steps), each resuming from state.pt with the cosine schedule restarted over
 # the new length; the loop replays them. About 30 minutes of feature extraction and 65 of
 # training on 2 cores.
-# Stage 2: warm-started from stage 1 (--init-from: a new optimiser and schedule), 2000
-# steps at lr 3e-4 over stage 1's conversations and SmolLM2's answers to the first 4500
-# OpenAI evals task prompts ($(EVALS_DATA); 3.31M tokens together), validated on a split
-# by prompt. It reads the bf16 feature caches of the EAGLE-3 head's stages 1 and 5
-# (E3_FEATURES, E3_EVALS_FEATURES: an EAGLE-3 cache holds the last hidden state too), so
-# `make eagle3-head` runs first. 43 minutes on 2 cores. Resumable at every stage.
+# Stage 2 (REF_HEAD_STAGE2): warm-started from stage 1 (--init-from: a new optimiser and
+# schedule), 2000 steps at lr 3e-4 over stage 1's conversations and SmolLM2's answers to
+# the first 4500 OpenAI evals task prompts ($(EVALS_DATA); 3.31M tokens together),
+# validated on a split by prompt. It reads the bf16 feature caches of the EAGLE-3 head's
+# stages 1 and 5 (E3_FEATURES, E3_EVALS_FEATURES: an EAGLE-3 cache holds the last hidden
+# state too), so `make eagle3-head` runs first. 43 minutes on 2 cores.
+# Stage 3: warm-started from stage 2, 1500 steps at lr 3e-4 over stage 2's data, the
+# every-turn ShareGPT dialogues of make eagle3-head's stage 4 (E3_TURNS_FEATURES) and the
+# answers to evals prompts 4500-7872 (E3_EVALS2_FEATURES, extracted here first if missing:
+# 3240 usable, 1.16M tokens, 22 minutes), 6.45M tokens in all, validated on a split by
+# prompt: 33 minutes. Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
+REF_HEAD_STAGE2 := artifacts/eagle1-stage2
+E3_EVALS2_FEATURES := artifacts/eagle3-features-evals2
 REF_HEAD_STEPS := 700 1100 2000 3000 4000
 REF_HEAD_ARGS := --target models/SmolLM2-135M-Instruct --regen-max-tokens 320 \
 	--tokens-per-batch 4096 --ce-vocab 16384 --ce-weight 0.1 --ce-labels soft \
@@ -114,12 +121,25 @@ reference-head:
 		2>&1 || echo failed > $(REF_HEAD).failed; } \
 		| tee -a $(REF_HEAD).log; test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }; \
 	done
-	test -f $(E3_FEATURES)/meta.json && test -f $(E3_EVALS_FEATURES)/meta.json || { echo \
-		"reference-head: stage 2 trains on the feature caches of make eagle3-head; run it first"; \
-		exit 1; }
-	{ $(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD) \
+	test -f $(E3_FEATURES)/meta.json && test -f $(E3_EVALS_FEATURES)/meta.json && \
+		test -f $(E3_TURNS_FEATURES)/meta.json || { echo "reference-head: stages 2 and 3 \
+		train on the feature caches of make eagle3-head; run it first"; exit 1; }
+	test -f $(REF_HEAD_STAGE2)/model.safetensors || { $(VENV)/bin/eagle-vllm train \
+		$(REF_HEAD_ARGS) --out $(REF_HEAD_STAGE2) \
 		--init-from $(REF_HEAD_STAGE1) $(EVALS_PARTS) --feature-dtype bfloat16 \
 		--max-steps 2000 --lr 3e-4 --warmup-steps 20 --eval-every 200 \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+	test -f $(E3_EVALS2_FEATURES)/meta.json || { $(VENV)/bin/eagle-vllm train $(E3_TRAIN_ARGS) \
+		$(call parts_data_args,$(E3_EVALS2_FEATURES),evals,3372,1,$(EVALS_DATA)) \
+		--skip-conversations 4500 --out artifacts/evals2-extract --max-steps 0 \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+	{ $(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD) \
+		--init-from $(REF_HEAD_STAGE2) \
+		$(call parts_data_args,$(E3_TURNS_FEATURES),sharegpt,20000,4,$(TURNS_DATA)) \
+		--extra-features $(E3_EVALS_FEATURES) --extra-features $(E3_EVALS2_FEATURES) \
+		--feature-dtype bfloat16 --max-steps 1500 --lr 3e-4 --warmup-steps 20 --eval-every 250 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
 

@@ -100,6 +100,9 @@ def write_markdown(path: Path, rows: list[dict], commands: list[str]) -> None:
         "",
         *(f"- `{c}`" for c in commands),
         "",
+        "τ does not depend on the machine's speed; tok/s does, so it compares only rows",
+        "measured by one command (the machine's load differs between commands).",
+        "",
         "| dataset | T | system | τ | acceptance at depth 1, 2, 3, 4 | tok/s |",
         "|---|---|---|---|---|---|",
     ]
