@@ -96,7 +96,7 @@ vllm-suffix:
 # Stage 3: warm-started from stage 2, 1500 steps at lr 3e-4 over stage 2's data, the
 # every-turn ShareGPT dialogues of make eagle3-head's stage 4 (E3_TURNS_FEATURES) and the
 # answers to evals prompts 4500-7872 (E3_EVALS2_FEATURES, extracted here first if missing:
-# 3240 usable, 1.16M tokens, 22 minutes), 6.45M tokens in all, validated on a split by
+# 3240 usable, 1.16M tokens, 22 minutes), 6.46M tokens in all, validated on a split by
 # prompt: 33 minutes. Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
