@@ -84,13 +84,17 @@ def score_head(target: str, head: Path, examples: list, work: Path) -> dict:
     return {"in_vocab": in_vocab, **metrics}
 
 
+# Drafts a one-pass tree takes from the root at batch 1 (the sizer's usual 1,4 arm).
+RECALL_TOPK = 3
+
+
 def score_eagle1_head(
-    target: str, head: Path, examples: list, work: Path, draft_vocab: int, topk: int = 3
+    target: str, head: Path, examples: list, work: Path, draft_vocab: int
 ) -> dict:
     """Depth-1 agreement of EAGLE-1 ``head`` over the answer positions of ``examples``: its
     argmax over its first ``draft_vocab`` tokens (0: all) against the target's next token
-    (``val_acc_1``), and how often that token is among its ``topk`` best (``recall``: what
-    a one-pass tree of ``topk`` drafts can accept)."""
+    (``val_acc_1``), and how often that token is among its ``RECALL_TOPK`` best
+    (``recall_top3``: what a one-pass tree of 3 drafts can accept)."""
     import torch
 
     from eagle_vllm.train.trainer import TrainConfig, Trainer
@@ -112,7 +116,7 @@ def score_eagle1_head(
             rows = torch.arange(tokens_in.shape[1])
             f_hat = trainer.model(trainer.embed[tokens_in], feats_in, rows[None])[0]
             scored = ex.loss_mask[1:-1]
-            drafted = vocab[(f_hat[scored] @ lm_head.T).topk(topk, dim=-1).indices]
+            drafted = vocab[(f_hat[scored] @ lm_head.T).topk(RECALL_TOPK, dim=-1).indices]
             wanted = ids[2:][scored]
             agree += int((drafted[:, 0] == wanted).sum())
             recalled += int((drafted == wanted[:, None]).any(-1).sum())
@@ -121,7 +125,7 @@ def score_eagle1_head(
     return {
         "in_vocab": in_vocab / positions,
         "val_acc_1": agree / positions,
-        f"recall_top{topk}": recalled / positions,
+        "recall_top3": recalled / positions,
     }
 
 
