@@ -21,6 +21,12 @@ one step it is trained for, drafting over the ``--draft-vocab`` most frequent to
 its ``draft_vocab.json`` as the shipped configs serve it (``draft_vocab: 4096``). Its
 depth-1 agreement over 80 MT-bench answers (about 10K positions, paired across heads) is
 a minute's comparison of two heads where an engine A/B takes a quarter of an hour.
+
+``--int8 engine,engine+fc,engine+head,engine-7bit`` also scores each EAGLE-1 head with
+GEMMs in int8 (``draft_dtype: int8``, ``models/draft_precision.py``): ``engine`` as the
+plugin runs it (the decoder layer in int8, the feature fc and the LM head in float),
+``engine+fc`` / ``engine+head`` with the fc / the draft LM head in int8 too,
+``engine-7bit`` with 7-bit inputs (what x86 CPUs without VNNI use).
 """
 
 from __future__ import annotations
@@ -88,13 +94,46 @@ def score_head(target: str, head: Path, examples: list, work: Path) -> dict:
 RECALL_TOPK = 3
 
 
+INT8_VARIANTS = {  # name -> (fc in int8, LM head in int8, 7-bit inputs)
+    "engine": (False, False, False),
+    "engine+fc": (True, False, False),
+    "engine+head": (False, True, False),
+    "engine-7bit": (False, False, True),
+}
+
+
+class _Int8Linear:
+    """An ``nn.Linear``'s product through the plugin's int8 GEMM."""
+
+    def __init__(self, linear, reduce_range: bool):
+        from eagle_vllm.models.draft_precision import Int8Gemm
+
+        self.gemm = Int8Gemm(linear.weight, linear.bias, reduce_range=reduce_range)
+
+    def __call__(self, x):
+        return self.gemm(x)
+
+
+def _int8_head(model, variant: str) -> None:
+    """Swap ``model``'s linear layers for int8 ones as ``variant`` says (in place)."""
+    import torch
+
+    with_fc, _, reduce_range = INT8_VARIANTS[variant]
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and (with_fc or name != "fc"):
+                int8 = _Int8Linear(child, reduce_range)
+                child.forward = int8.__call__
+
+
 def score_eagle1_head(
-    target: str, head: Path, examples: list, work: Path, draft_vocab: int
+    target: str, head: Path, examples: list, work: Path, draft_vocab: int, int8: str = ""
 ) -> dict:
     """Depth-1 agreement of EAGLE-1 ``head`` over the answer positions of ``examples``: its
     argmax over its first ``draft_vocab`` tokens (0: all) against the target's next token
     (``val_acc_1``), and how often that token is among its ``RECALL_TOPK`` best
-    (``recall_top3``: what a one-pass tree of 3 drafts can accept)."""
+    (``recall_top3``: what a one-pass tree of 3 drafts can accept). ``int8``: one of
+    ``INT8_VARIANTS`` (the head's GEMMs in int8), or empty."""
     import torch
 
     from eagle_vllm.train.trainer import TrainConfig, Trainer
@@ -106,6 +145,14 @@ def score_eagle1_head(
         ranked = json.loads((head / "draft_vocab.json").read_text())["token_ids"]
         vocab = torch.tensor(ranked[:draft_vocab], dtype=torch.int64)
     lm_head = trainer.target_lm_head[vocab]
+    logits_of = lambda f: f @ lm_head.T  # noqa: E731
+    if int8:
+        from eagle_vllm.models.draft_precision import Int8Gemm
+
+        _int8_head(trainer.model, int8)
+        _, int8_lm_head, reduce_range = INT8_VARIANTS[int8]
+        if int8_lm_head:
+            logits_of = Int8Gemm(lm_head, reduce_range=reduce_range)
     agree = recalled = in_vocab = positions = 0
     trainer.model.eval()
     with torch.no_grad():
@@ -116,7 +163,7 @@ def score_eagle1_head(
             rows = torch.arange(tokens_in.shape[1])
             f_hat = trainer.model(trainer.embed[tokens_in], feats_in, rows[None])[0]
             scored = ex.loss_mask[1:-1]
-            drafted = vocab[(f_hat[scored] @ lm_head.T).topk(RECALL_TOPK, dim=-1).indices]
+            drafted = vocab[logits_of(f_hat[scored]).topk(RECALL_TOPK, dim=-1).indices]
             wanted = ids[2:][scored]
             agree += int((drafted[:, 0] == wanted).sum())
             recalled += int((drafted == wanted[:, None]).any(-1).sum())
@@ -143,12 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--work", default=str(ROOT / "artifacts/head-agreement"),
                    help="feature caches and scratch (reused when the answers match)")  # fmt: skip
+    p.add_argument("--int8", default="",
+                   help="also score EAGLE-1 heads with int8 GEMMs: comma-separated "
+                        f"variants among {', '.join(INT8_VARIANTS)}")  # fmt: skip
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     from eagle_vllm.train.features import extract_features, load_features
     from eagle_vllm.train.tokenize import TokenizedConversation
 
     heads = [Path(h) for h in args.heads.split(",") if h]
+    int8 = [v for v in args.int8.split(",") if v]
+    if unknown := [v for v in int8 if v not in INT8_VARIANTS]:
+        raise SystemExit(f"error: --int8: unknown {unknown}; use {', '.join(INT8_VARIANTS)}")
     layers_of = {h: head_layers(h) for h in heads}
     import torch
 
@@ -172,15 +225,18 @@ def main(argv: list[str] | None = None) -> int:
             examples = load_features(cache)
             for head in (h for h in heads if layers_of[h] == layers):
                 scratch = Path(args.work) / ("scratch" if layers else "scratch-eagle1")
-                if layers is None:
-                    scores = score_eagle1_head(args.target, head, examples, scratch,
-                                               args.draft_vocab)  # fmt: skip
-                else:
-                    scores = score_head(args.target, head, examples, scratch)
-                row = {"dataset": dataset, "head": str(head),
-                       "tokens": sum(len(a) for _, a in answers), **scores}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                variants = [""] + (int8 if layers is None else [])
+                for variant in variants:
+                    if layers is None:
+                        scores = score_eagle1_head(args.target, head, examples, scratch,
+                                                   args.draft_vocab, variant)  # fmt: skip
+                    else:
+                        scores = score_head(args.target, head, examples, scratch)
+                    name = f"{head} (int8 {variant})" if variant else str(head)
+                    row = {"dataset": dataset, "head": name,
+                           "tokens": sum(len(a) for _, a in answers), **scores}  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.out:
         lines = [
             "# Teacher-forced agreement of EAGLE heads on the evaluation prompts",

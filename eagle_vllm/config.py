@@ -123,8 +123,9 @@ class EagleSpecConfig:
     # the head's type, read from its checkpoint (models/checkpoint.py): "eagle1" drafts
     # from the target's last layer, "eagle3" from several layers fused by its fc
     head_type: str = "eagle1"
-    # the draft's GEMMs: "model" (the target's dtype), "bfloat16", or "auto" (bfloat16 on
-    # a CPU with AVX-512 BF16 or AMX under a float32 target); models/draft_precision.py
+    # the draft's GEMMs: "model" (the target's dtype), "bfloat16", "int8" (CPU), or "auto"
+    # (under a float32 target on CPU: bfloat16 with AVX-512 BF16 or AMX, else int8);
+    # models/draft_precision.py
     draft_dtype: str = "model"
 
     @property
@@ -208,10 +209,10 @@ _ALLOWED_KEYS = {
     "sizing_profile": (str, os.PathLike),
     # model-free suffix-tree candidates (SuffixConfig, SUFFIX_KEYS)
     "suffix": (dict,),
-    # the draft's GEMMs: model, bfloat16 or auto (DRAFT_DTYPES)
+    # the draft's GEMMs: model, bfloat16, int8 or auto (DRAFT_DTYPES)
     "draft_dtype": (str,),
 }
-DRAFT_DTYPES = ("model", "bfloat16", "auto")
+DRAFT_DTYPES = ("model", "bfloat16", "int8", "auto")
 
 
 def cpu_has_bf16_gemm() -> bool:
@@ -221,10 +222,25 @@ def cpu_has_bf16_gemm() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def cpu_has_int8_gemm() -> bool:
+    """Whether PyTorch's x86 int8 engine (fbgemm: dynamic-quantized linear) runs here."""
+    import torch
+
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def check_draft_dtype(value: str, on_cpu: bool) -> None:
-    """``draft_dtype`` is known, and bfloat16 is only asked of a CPU that has bf16 GEMMs."""
+    """``draft_dtype`` is known, bfloat16 is only asked of a CPU that has bf16 GEMMs, and
+    int8 only of a CPU with PyTorch's x86 int8 engine."""
     if value not in DRAFT_DTYPES:
         raise _fail("draft_dtype", f"unknown value '{value}'", f"use one of {list(DRAFT_DTYPES)}")
+    if value == "int8" and not (on_cpu and cpu_has_int8_gemm()):
+        raise _fail(
+            "draft_dtype",
+            "int8 draft GEMMs run on x86 CPUs only (PyTorch's fbgemm dynamic-quantized "
+            "linear), and this worker is " + ("a CPU without it" if on_cpu else "a GPU"),
+            "use draft_dtype: auto or model",
+        )
     if value == "bfloat16" and on_cpu and not cpu_has_bf16_gemm():
         raise _fail(
             "draft_dtype",
@@ -589,14 +605,21 @@ def resolve_draft_dtype(
     value: str, model_dtype: torch.dtype, device_type: str
 ) -> torch.dtype | None:
     """The dtype the draft's GEMMs run in (``draft_dtype`` on a worker whose model runs in
-    ``model_dtype`` on ``device_type``), or None for the model's own."""
+    ``model_dtype`` on ``device_type``; ``torch.qint8`` for int8), or None for the
+    model's own."""
     import torch
 
     check_draft_dtype(value, on_cpu=device_type == "cpu")
+    if value == "int8":
+        return torch.qint8
     if value == "model" or model_dtype == torch.bfloat16:
         return None
     if value == "auto":
-        return torch.bfloat16 if device_type == "cpu" and cpu_has_bf16_gemm() else None
+        if device_type != "cpu":
+            return None
+        if cpu_has_bf16_gemm():
+            return torch.bfloat16
+        return torch.qint8 if cpu_has_int8_gemm() else None
     return torch.bfloat16
 
 

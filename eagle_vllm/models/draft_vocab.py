@@ -37,7 +37,9 @@ class DraftVocabMixin:
         rows[local] = weight[ids[local] - shard.org_vocab_start_index].detach()
         if get_tensor_model_parallel_world_size() > 1:
             rows = all_reduce(rows)  # each row is non-zero on exactly one rank
-        self.draft_lm_head = rows if self.gemm_dtype is None else rows.to(self.gemm_dtype)
+        # in the draft's GEMM dtype if it is a float one (int8 leaves the LM head alone)
+        bf16 = self.gemm_dtype is not None and self.gemm_dtype.is_floating_point
+        self.draft_lm_head = rows.to(self.gemm_dtype) if bf16 else rows
         self.draft_vocab_ids = ids
         self._draft_head_gemm = platform_gemm(self.draft_lm_head)
 

@@ -43,7 +43,10 @@ class EagleVllmEagle3LlamaForCausalLM(DraftVocabMixin, Eagle3LlamaForCausalLM):
         # target's when the checkpoint has none, and that one stays in the target's dtype)
         self.gemm_dtype = draft_gemm_dtype(vllm_config)
         if self.gemm_dtype is not None:
-            run_gemms_in(self.gemm_dtype, self.model.modules(), lm_head=self.lm_head)
+            run_gemms_in(
+                self.gemm_dtype, self.model.modules(), lm_head=self.lm_head,
+                feature_fc=getattr(self.model, "fc", None),
+            )  # fmt: skip
 
     def draft_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, n*H] concatenated target layers -> [N, H] draft feature."""

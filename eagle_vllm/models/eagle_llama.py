@@ -56,7 +56,7 @@ class EagleVllmLlamaForCausalLM(DraftVocabMixin, EagleLlamaForCausalLM):
         # draft_dtype: the draft's own linear layers (not the shared embedding or LM head)
         self.gemm_dtype = draft_gemm_dtype(vllm_config)
         if self.gemm_dtype is not None:
-            run_gemms_in(self.gemm_dtype, self.model.modules())
+            run_gemms_in(self.gemm_dtype, self.model.modules(), feature_fc=self.model.fc)
 
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the drafting vocabulary and the token id of each column

@@ -1,10 +1,12 @@
-"""``draft_dtype: bfloat16``: the draft's GEMMs in bf16 under a float32 target (CPU, real
+"""``draft_dtype``: the draft's GEMMs in bf16 or int8 under a float32 target (CPU, real
 vLLM). The output stays the target's greedy output token for token, the drafts stay as
-good (the oracle heads' acceptance does not fall), and the layers really multiply in
-bf16: the draft's linear layers and its own LM head, never the LM head or embedding
-it shares with the target.
+good (the oracle heads' acceptance does not fall), and the layers really multiply in the
+asked dtype: the draft's linear layers and its own LM head, never the LM head or
+embedding it shares with the target; under int8 the decoder layers only, while the fc
+that reads the target's features and every LM head stay float32.
 
-On a CPU without AVX-512 BF16 or AMX the key is refused (tests/unit/test_config.py).
+On a CPU without AVX-512 BF16 or AMX ``bfloat16`` is refused, and ``int8`` on a worker
+without PyTorch's x86 int8 engine (tests/unit/test_config.py).
 """
 
 from __future__ import annotations
@@ -17,12 +19,22 @@ import torch
 from conftest import ENGINE_KW, mean_acceptance_length, shutdown, spec_metrics
 from test_eagle_chain import PROMPTS, greedy, token_ids
 
-from eagle_vllm.config import cpu_has_bf16_gemm
+from eagle_vllm.config import cpu_has_bf16_gemm, cpu_has_int8_gemm
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not cpu_has_bf16_gemm(), reason="needs AVX-512 BF16 or AMX (else the key is refused)"
+pytestmark = [pytest.mark.vllm]
+
+DTYPES = [
+    pytest.param(
+        "bfloat16",
+        marks=pytest.mark.skipif(
+            not cpu_has_bf16_gemm(), reason="needs AVX-512 BF16 or AMX (else the key is refused)"
+        ),
+    ),
+    pytest.param(
+        "int8",
+        marks=pytest.mark.skipif(
+            not cpu_has_int8_gemm(), reason="needs PyTorch's x86 int8 engine (fbgemm)"
+        ),
     ),
 ]
 
@@ -50,44 +62,56 @@ def heads(tiny, tmp_path_factory):
 
 
 def _gemm_dtypes(worker) -> dict[str, str]:
-    """The dtype each of the drafter's GEMMs multiplies in, by module name."""
+    """The dtype each of the drafter's GEMMs multiplies in, by module name ("int8": the
+    packed int8 GEMM of models/draft_precision.py)."""
+
+    def dtype_of(module) -> str:
+        return "int8" if hasattr(module, "int8_gemm") else str(module.weight.dtype)
+
     model = worker.model_runner.drafter.model
     out = {
-        name: str(module.weight.dtype)
+        name: dtype_of(module)
         for name, module in model.model.named_modules()
         if hasattr(module, "quant_method") and "embed" not in name
     }
-    out["lm_head"] = str(model.lm_head.weight.dtype)
+    out["lm_head"] = dtype_of(model.lm_head)
     if getattr(model, "draft_lm_head", None) is not None:
         out["draft_lm_head"] = str(model.draft_lm_head.dtype)
     return out
 
 
+@pytest.mark.parametrize("draft_dtype", DTYPES)
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])
-def test_bf16_draft_keeps_the_output_and_the_acceptance(tiny, heads, vanilla_greedy, head):
+def test_draft_dtype_keeps_the_output_and_the_acceptance(
+    tiny, heads, vanilla_greedy, head, draft_dtype
+):
     from eagle_vllm import LLM
 
     path, spec = heads[head]
     tau, dtypes = {}, {}
-    for draft_dtype in ("model", "bfloat16"):
+    for dtype in ("model", draft_dtype):
         llm = LLM(
             str(tiny["target"]),
-            speculative_config={**spec, "model": str(path), "draft_dtype": draft_dtype},
+            speculative_config={**spec, "model": str(path), "draft_dtype": dtype},
             **ENGINE_KW,
         )
         try:
             out = token_ids(llm.generate(PROMPTS, greedy()))
-            tau[draft_dtype] = mean_acceptance_length(spec_metrics(llm))
-            dtypes[draft_dtype] = llm.collective_rpc(_gemm_dtypes)[0]
+            tau[dtype] = mean_acceptance_length(spec_metrics(llm))
+            dtypes[dtype] = llm.collective_rpc(_gemm_dtypes)[0]
         finally:
             shutdown(llm)
-        assert out == vanilla_greedy, draft_dtype
+        assert out == vanilla_greedy, dtype
     assert set(dtypes["model"].values()) == {"torch.float32"}, dtypes["model"]
-    bf16 = dtypes["bfloat16"]
-    gemms = {k: v for k, v in bf16.items() if k != "lm_head" or head == "eagle3"}
-    assert set(gemms.values()) == {"torch.bfloat16"}, bf16
-    assert any("qkv_proj" in k for k in gemms) and any("down_proj" in k for k in gemms), bf16
+    low = dtypes[draft_dtype]
+    want = "torch.bfloat16" if draft_dtype == "bfloat16" else "int8"
+    gemms = {k: v for k, v in low.items() if k != "lm_head" or head == "eagle3"}
+    if draft_dtype == "int8":  # the fc reading the target's features, and LM heads: float
+        kept = {k: gemms.pop(k) for k in ("fc", "lm_head", "draft_lm_head") if k in gemms}
+        assert set(kept.values()) == {"torch.float32"} and "fc" in kept, low
+    assert set(gemms.values()) == {want}, low
+    assert any("qkv_proj" in k for k in gemms) and any("down_proj" in k for k in gemms), low
     if head == "eagle1":  # the LM head is the target's: it stays float32
-        assert bf16["lm_head"] == "torch.float32" and "draft_lm_head" in bf16, bf16
-    assert tau["bfloat16"] >= tau["model"] - 0.05, tau
+        assert low["lm_head"] == "torch.float32" and "draft_lm_head" in low, low
+    assert tau[draft_dtype] >= tau["model"] - 0.05, tau
     assert tau["model"] > 1.5, tau  # the drafts are good enough to notice a worse one

@@ -620,12 +620,22 @@ def test_draft_dtype_values_and_the_cpus_that_can_take_bfloat16(models, monkeypa
     parse_err({"method": "suffix", "draft_dtype": "bfloat16"}, "draft_dtype")
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: False)
+    monkeypatch.setattr(config_module, "cpu_has_int8_gemm", lambda: False)
     monkeypatch.setattr(config_module, "_has_cuda", lambda: False)
     msg = parse_err({**base, "draft_dtype": "bfloat16"}, "draft_dtype")
     assert "AVX-512 BF16" in msg and "draft_dtype: auto" in msg
     with pytest.raises(EagleConfigError, match="AVX-512 BF16"):
         resolve_draft_dtype("bfloat16", fp32, "cpu")  # the worker checks again
+    msg = parse_err({**base, "draft_dtype": "int8"}, "draft_dtype")
+    assert "fbgemm" in msg and "a CPU without it" in msg and "draft_dtype: auto" in msg
     assert resolve_draft_dtype("auto", fp32, "cpu") is None
+    monkeypatch.setattr(config_module, "cpu_has_int8_gemm", lambda: True)
+    assert parse_speculative_config({**base, "draft_dtype": "int8"}).draft_dtype == "int8"
+    assert resolve_draft_dtype("auto", fp32, "cpu") is torch.qint8  # no bf16: int8
+    assert resolve_draft_dtype("int8", fp32, "cpu") is torch.qint8
+    assert resolve_draft_dtype("int8", bf16, "cpu") is torch.qint8  # asked for: even so
+    with pytest.raises(EagleConfigError, match="a GPU"):
+        resolve_draft_dtype("int8", fp32, "cuda")
     assert resolve_draft_dtype("bfloat16", fp32, "cuda") is bf16
     monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: True)
     assert parse_speculative_config({**base, "draft_dtype": "bfloat16"}).draft_dtype == "bfloat16"
