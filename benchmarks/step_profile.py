@@ -565,6 +565,174 @@ def arms(args, argv: list[str] | None) -> int:
     return 0
 
 
+# -- draft -----------------------------------------------------------------------------
+
+DRAFT_DOC = """Where the drafter's time goes, part by part, for pinned sizer arms.
+
+    .venv/bin/python benchmarks/step_profile.py draft --arms 1,4 2,6 3,9 --ops 25
+
+One in-process fp32 eager engine serving ``configs/eagle2-auto.yaml`` (as ``arms``); for
+each arm ``passes,nodes`` in turn the sizer is pinned to it and ``--concurrency``
+MT-bench first turns are decoded to ``--max-tokens``, rounds interleaving the arms. The
+drafter's parts are timed with wall clocks around them (ms per engine step):
+
+* ``propose``: the whole drafter call (``EagleTreeProposer.propose``);
+* ``first_pass``: the draft over the tokens just verified, with vLLM's attention and
+  input preparation (``vllm_surface.first_pass_forward``);
+* ``draft_tree``: expansion and rerank, and inside it ``lm_head`` (the draft LM head and
+  log-softmax, every pass), ``prefix_kv`` (the prefix K/V gathered from the paged cache
+  for the tree passes), ``layers`` (the draft's layers over each frontier, passes 2 and
+  on), ``builder`` (the tree builder's steps and rerank) and ``tree_rest`` (what is left:
+  masks, gathers);
+* ``merge``: the suffix candidates merged into the trees;
+* ``propose_rest``: the rest of ``propose``.
+
+``--ops N`` also profiles each arm once more with ``torch.profiler`` and prints the N ops
+that took the most self CPU time under each part of ``--ops-under`` (default ``propose``,
+the whole drafter), with their calls per step.
+"""
+DRAFT_PARTS = ("propose", "first_pass", "draft_tree", "lm_head", "prefix_kv", "layers",
+               "builder", "merge")  # fmt: skip
+
+
+def _time_drafter_parts(worker) -> bool:
+    """Run on the worker: wrap the drafter's parts in wall clocks (``_drafter_times``)."""
+    import functools
+    from collections import defaultdict
+
+    from torch.profiler import record_function
+
+    import eagle_vllm.engine.proposer as proposer_module
+
+    drafter = worker.model_runner.drafter
+    times = defaultdict(float)
+    drafter._drafter_times = times
+
+    def timed(part, fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                with record_function(f"eagle_vllm.{part}"):
+                    return fn(*a, **k)
+            finally:
+                times[part] += time.perf_counter() - start
+
+        return run
+
+    drafter.propose = timed("propose", drafter.propose)
+    drafter.draft_tree = timed("draft_tree", drafter.draft_tree)
+    drafter._draft_logprobs = timed("lm_head", drafter._draft_logprobs)
+    drafter._prefix_attention_shims = timed("prefix_kv", drafter._prefix_attention_shims)
+    drafter.model.decode = timed("layers", drafter.model.decode)
+    surface = proposer_module.vllm_surface
+    if not hasattr(surface, "_untimed_first_pass"):
+        surface._untimed_first_pass = surface.first_pass_forward
+        builder = proposer_module.TreeBuilder
+        for name in ("__init__", "step", "finalize"):
+            setattr(builder, name, timed("builder", getattr(builder, name)))
+        proposer_module.depth_one_tree = timed("builder", proposer_module.depth_one_tree)
+        proposer_module.merge_drafts = timed("merge", proposer_module.merge_drafts)
+    # the module-level wrappers above add to the current drafter's clocks
+    surface.first_pass_forward = timed("first_pass", surface._untimed_first_pass)
+    proposer_module._drafter_times = times
+    return True
+
+
+def _read_drafter_parts(worker) -> dict:
+    """Run on the worker: the drafter's clocks in seconds since the last read (zeroed)."""
+    import eagle_vllm.engine.proposer as proposer_module
+
+    times = proposer_module._drafter_times
+    snapshot = dict(times)
+    times.clear()
+    return snapshot
+
+
+def _drafter_ops(prof, steps: int, top: int, part: str) -> str:
+    """Self CPU time of the ops under the drafter's ``part`` ranges, ms per step."""
+    from collections import defaultdict
+
+    self_us, calls = defaultdict(float), defaultdict(int)
+
+    def walk(event) -> None:
+        for child in event.cpu_children:
+            self_us[child.name] += child.self_cpu_time_total
+            calls[child.name] += 1
+            walk(child)
+
+    for event in prof.events():
+        if event.name == f"eagle_vllm.{part}":
+            walk(event)
+    rows = sorted(self_us.items(), key=lambda kv: -kv[1])[:top]
+    return "\n".join(
+        f"  {us / 1e3 / steps:7.3f} ms/step {calls[name] / steps:6.1f} calls/step  {name}"
+        for name, us in rows
+    )
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--arms", nargs="+", default=["1,4", "2,6", "3,9"],
+                   help="passes,nodes pairs (the sizer's arms)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--ops", type=int, default=0, help="ops per arm under the drafter")
+    p.add_argument("--ops-under", nargs="+", default=["propose"], choices=DRAFT_PARTS,
+                   help="the drafter's parts whose ops --ops lists")  # fmt: skip
+
+
+def draft(args, argv: list[str] | None) -> int:
+    from vllm import SamplingParams
+
+    swept = [tuple(int(x) for x in a.split(",")) for a in args.arms]
+    c = args.concurrency
+    llm = in_process_engine("auto", args, c)
+    known = [tuple(a) for a in llm.collective_rpc(_sizer_arms)[0]]
+    unknown = [a for a in swept if a not in known]
+    if unknown:
+        raise SystemExit(f"error: --arms: {unknown} not among the sizer's arms: {known}")
+    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
+    llm.collective_rpc(_time_drafter_parts)
+    print(f"$ {command_line(SCRIPT, argv)}")
+    print("arm (passes, nodes), rep: tok/s | steps | drafter parts, ms per engine step")
+    for rep in range(args.reps):
+        for arm in swept:
+            llm.collective_rpc(_pin_arm, args=(arm,))
+            batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
+            suffix_stats(llm, clear_cache=True)
+            llm.collective_rpc(_read_drafter_parts)
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            steps = _engine_steps(read_timings(llm, reset=True))
+            parts = llm.collective_rpc(_read_drafter_parts)[0]
+            ms = {k: 1e3 * parts.get(k, 0.0) / steps for k in DRAFT_PARTS}
+            ms["tree_rest"] = ms["draft_tree"] - sum(
+                ms[k] for k in ("lm_head", "prefix_kv", "layers", "builder")
+            )
+            ms["propose_rest"] = ms["propose"] - ms["first_pass"] - ms["draft_tree"] - ms["merge"]
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            split = " ".join(f"{k}={v:.2f}" for k, v in ms.items())
+            print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | {split}", flush=True)
+    if args.ops:
+        from torch.profiler import profile
+
+        for arm in swept:
+            llm.collective_rpc(_pin_arm, args=(arm,))
+            suffix_stats(llm, clear_cache=True)
+            with profile() as prof:
+                llm.generate(prompts[40 : 40 + c], params, use_tqdm=False)
+            steps = _engine_steps(read_timings(llm, reset=True))
+            for part in args.ops_under:
+                print(f"\nops under {part}, {arm}: {steps} engine steps")
+                print(_drafter_ops(prof, steps, args.ops, part))
+    return 0
+
+
 # -- patterns --------------------------------------------------------------------------
 
 PATTERNS_DOC = """Does turning drafts off, and back on, change how often drafts are accepted?
@@ -672,6 +840,10 @@ MODES = {
     "arms": (
         "each sizer arm pinned in turn in one engine: tok/s, ms per step, runner phases",
         ARMS_DOC, add_arms_args, arms,
+    ),
+    "draft": (
+        "the drafter's parts, ms per step, for pinned arms (in-process engine)",
+        DRAFT_DOC, add_draft_args, draft,
     ),
     "patterns": (
         "acceptance around drafts-off steps, on the tests' tiny models",

@@ -1,4 +1,4 @@
-"""Incremental EAGLE-2 dynamic draft-tree builder (selection only, pure torch).
+"""Incremental EAGLE-2 dynamic draft-tree builder (selection only: torch and numpy, no vLLM).
 
 The caller runs the draft model; the builder only decides what to expand and
 what to keep.  One round for ``B`` requests::
@@ -85,6 +85,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -113,6 +114,13 @@ class Frontier:
 class TreeBuilder:
     """EAGLE-2 expand + rerank, batched over B requests; see the module docstring.
 
+    The top-k of each frontier row's distribution runs in torch, where the log-probs are;
+    the bookkeeping after it (scores, candidate ids, the next frontier and the rerank)
+    runs on the host in numpy: its arrays hold at most ``B x topk**2`` candidates a
+    level, and numpy's per-call cost is a fraction of torch's at these sizes, which is
+    what the builder's time is made of. The frontier and the tree come back as tensors
+    on the log-probs' device.
+
     Args:
         root_tokens: [B] last accepted tokens (the roots).
         topk: children per expanded node and beam (frontier) width, >= 1.
@@ -139,35 +147,48 @@ class TreeBuilder:
         self.topk = int(topk)
         self.passes = int(passes)
         if isinstance(nodes, Tensor):
-            budget = nodes.to(self.device).long().reshape(-1)
-            if budget.numel() == 1 and b != 1:
-                budget = budget.expand(b)
+            budget = nodes.detach().cpu().long().reshape(-1).numpy()
+            if budget.size == 1 and b != 1:
+                budget = np.broadcast_to(budget, (b,))
             if budget.shape != (b,):
                 raise ValueError("nodes must be an int or a [B] tensor")
         else:
-            budget = torch.full((b,), int(nodes), dtype=torch.long, device=self.device)
-        self.nodes = budget.clamp(min=1)
+            budget = np.full(b, int(nodes), dtype=np.int64)
+        self._budget = np.maximum(budget, 1)
         self.root_tokens = root_tokens
+        self._batch_rows = np.arange(b)[:, None]  # fancy-indexes one column per row
 
         # candidate store (one entry per step), each [B, w * topk]
-        self._cand_tokens: list[Tensor] = []
-        self._cand_scores: list[Tensor] = []
-        self._cand_parent: list[Tensor] = []  # parent candidate id
-        self._cand_parent_row: list[Tensor] = []  # global row of the parent
+        self._cand_tokens: list[np.ndarray] = []
+        self._cand_scores: list[np.ndarray] = []
+        self._cand_parent: list[np.ndarray] = []  # parent candidate id
+        self._cand_parent_row: list[np.ndarray] = []  # global row of the parent
         self._num_cands = 0
         self._passes_done = 0
         self._next_row = 1
 
-        dev = self.device
+        # the frontier on the host (the tensors of ``Frontier`` are views of these)
+        self._f_scores = np.zeros((b, 1), dtype=np.float32)
+        self._f_node_ids = np.zeros((b, 1), dtype=np.int64)
+        self._f_rows = np.zeros(1, dtype=np.int64)
+        self._f_ancestors = np.zeros((b, 1, 1), dtype=np.int64)
         self._frontier = Frontier(
             tokens=root_tokens[:, None].clone(),
-            node_ids=torch.zeros((b, 1), dtype=torch.long, device=dev),
-            scores=torch.zeros((b, 1), dtype=torch.float32, device=dev),
-            parent_frontier_index=torch.full((b, 1), -1, dtype=torch.long, device=dev),
-            ancestor_rows=torch.zeros((b, 1, 1), dtype=torch.long, device=dev),
-            rows=torch.zeros(1, dtype=torch.long, device=dev),
+            node_ids=self._tensor(self._f_node_ids),
+            scores=self._tensor(self._f_scores),
+            parent_frontier_index=self._tensor(np.full((b, 1), -1, dtype=np.int64)),
+            ancestor_rows=self._tensor(self._f_ancestors),
+            rows=self._tensor(self._f_rows),
             depth=0,
         )
+
+    @property
+    def nodes(self) -> Tensor:
+        """[B] node budgets, root included (each >= 1)."""
+        return self._tensor(self._budget.copy())
+
+    def _tensor(self, array: np.ndarray) -> Tensor:
+        return torch.from_numpy(array).to(self.device)
 
     # --------------------------------------------------------------- progress
     @property
@@ -201,44 +222,49 @@ class TreeBuilder:
             raise ValueError(f"logprobs must be [B={b}, w={w}, V], got {tuple(logprobs.shape)}")
         if logprobs.shape[2] < k:
             raise ValueError(f"vocab size {logprobs.shape[2]} < topk {k}")
-        dev = self.device
 
         if children is None:
-            vals, idx = _ranked_children(logprobs, k, token_ids)  # [B, w, k]
+            vals, idx = _ranked_children_host(logprobs, k, token_ids)  # [B, w, k]
         else:
             if children.shape != (b, w, k):
                 raise ValueError(f"children must be [B={b}, w={w}, topk={k}]")
-            idx = children.to(dev, torch.long)
-            vals = _clean_logprobs(logprobs.gather(-1, idx))
+            cols = children.to(logprobs.device, torch.long)
+            vals = _clean_host(logprobs.gather(-1, cols))
             if token_ids is not None:
-                idx = token_ids.to(idx.device)[idx]
+                cols = token_ids.to(cols.device)[cols]
+            idx = cols.cpu().numpy()
 
-        child_scores = (fr.scores[:, :, None] + vals).reshape(b, w * k)
-        child_tokens = idx.reshape(b, w * k).long()
+        child_scores = (self._f_scores[:, :, None] + vals).reshape(b, w * k)
+        child_tokens = idx.reshape(b, w * k)
         offset = self._num_cands + 1
-        child_ids = offset + torch.arange(w * k, device=dev)
+        child_ids = offset + np.arange(w * k, dtype=np.int64)
         self._cand_tokens.append(child_tokens)
         self._cand_scores.append(child_scores)
-        self._cand_parent.append(fr.node_ids.repeat_interleave(k, dim=1))
-        self._cand_parent_row.append(fr.rows.repeat_interleave(k).expand(b, w * k))
+        self._cand_parent.append(np.repeat(self._f_node_ids, k, axis=1))
+        self._cand_parent_row.append(np.broadcast_to(np.repeat(self._f_rows, k), (b, w * k)))
         self._num_cands += w * k
         self._passes_done += 1
 
         # next frontier: global top-k of this level, (score desc, id asc)
         nw = min(k, w * k)
-        order = torch.sort(child_scores, dim=1, descending=True, stable=True).indices[:, :nw]
+        order = _descending(child_scores)[:, :nw]
         pfi = order // k
-        rows = self._next_row + torch.arange(nw, device=dev)
+        rows = self._next_row + np.arange(nw, dtype=np.int64)
         self._next_row += nw
-        anc = fr.ancestor_rows.gather(1, pfi[:, :, None].expand(b, nw, fr.depth + 1))
-        anc = torch.cat([anc, rows.expand(b, nw)[:, :, None]], dim=2)
+        at = (self._batch_rows, order)
+        ancestors = self._f_ancestors[self._batch_rows, pfi]
+        ancestors = np.concatenate([ancestors, np.broadcast_to(rows, (b, nw))[:, :, None]], 2)
+        self._f_scores = child_scores[at]
+        self._f_node_ids = child_ids[order]
+        self._f_rows = rows
+        self._f_ancestors = ancestors
         self._frontier = Frontier(
-            tokens=child_tokens.gather(1, order),
-            node_ids=child_ids.expand(b, w * k).gather(1, order),
-            scores=child_scores.gather(1, order),
-            parent_frontier_index=pfi,
-            ancestor_rows=anc,
-            rows=rows,
+            tokens=self._tensor(child_tokens[at]),
+            node_ids=self._tensor(self._f_node_ids),
+            scores=self._tensor(self._f_scores),
+            parent_frontier_index=self._tensor(pfi),
+            ancestor_rows=self._tensor(ancestors),
+            rows=self._tensor(rows),
             depth=fr.depth + 1,
         )
         return self._frontier
@@ -247,103 +273,93 @@ class TreeBuilder:
         """Rerank and return the DraftTree (see the module docstring).
 
         Request ``b`` keeps ``1 + min(nodes[b] - 1, #candidates)``
-        nodes.  The padded width is the largest of these (host sync), or
+        nodes.  The padded width is the largest of these, or
         ``pad_to`` if given, in which case budgets are also clamped to
         ``pad_to`` nodes.  ``order``: ``"rank"`` (score desc, shallow first;
         prefixes are optimal smaller trees) or ``"id"`` (SafeAILab's order).
         """
         if order not in ("rank", "id"):
             raise ValueError(f"order must be 'rank' or 'id', got {order!r}")
-        b, dev = self.batch_size, self.device
+        b = self.batch_size
         c = self._num_cands
-        m = (self.nodes - 1).clamp(min=0, max=c)
+        m = np.clip(self._budget - 1, 0, c)
         if pad_to is not None:
             if pad_to < 1:
                 raise ValueError("pad_to must be >= 1")
-            m = m.clamp(max=pad_to - 1)
+            m = np.minimum(m, pad_to - 1)
             width = int(pad_to)
             mm = min(pad_to - 1, c)
         else:
-            mm = int(m.max().item()) if b > 0 else 0
+            mm = int(m.max()) if b > 0 else 0
             width = mm + 1
         if c == 0 or mm == 0:
-            tree = root_only_tree(self.root_tokens, width)
-            return tree
+            return root_only_tree(self.root_tokens, width)
 
-        scores = torch.cat(self._cand_scores, dim=1)  # [B, C], position p <-> id p+1
-        tokens = torch.cat(self._cand_tokens, dim=1)
-        parent = torch.cat(self._cand_parent, dim=1)
-        parent_row = torch.cat(self._cand_parent_row, dim=1)
+        scores = np.concatenate(self._cand_scores, axis=1)  # [B, C], position p <-> id p+1
         # positions are already in (depth, id) order, so a stable descending
         # sort on the score gives (score desc, depth asc, id asc)
-        ranked = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :mm]
-        valid = torch.arange(mm, device=dev)[None, :] < m[:, None]
-        sel = torch.where(valid, ranked, c)  # valid entries form a prefix
+        ranked = _descending(scores)[:, :mm]
+        valid = np.arange(mm)[None, :] < m[:, None]
+        sel = np.where(valid, ranked, c)  # valid entries form a prefix
         if order == "id":
-            sel = torch.sort(sel, dim=1).values
+            sel = np.sort(sel, axis=1)
         ok = sel < c
-        sel_c = sel.clamp(max=c - 1)
+        at = (self._batch_rows, np.minimum(sel, c - 1))
+
+        def pick(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts, axis=1)[at]
 
         # candidate id -> output index (root 0 -> 0; unselected -> -1)
-        inv = torch.full((b, c + 2), -1, dtype=torch.long, device=dev)
+        inv = np.full((b, c + 2), -1, dtype=np.int64)
         inv[:, 0] = 0
-        out_idx = torch.arange(1, mm + 1, device=dev).expand(b, mm)
-        inv.scatter_(1, torch.where(ok, sel + 1, c + 1), out_idx.contiguous())
-        par_out = inv.gather(1, parent.gather(1, sel_c))
+        out_idx = np.broadcast_to(np.arange(1, mm + 1, dtype=np.int64), (b, mm))
+        inv[self._batch_rows, np.where(ok, sel + 1, c + 1)] = out_idx
+        par_out = inv[self._batch_rows, pick(self._cand_parent)]
+        depths = [np.full(x.shape, i + 1, dtype=np.int64) for i, x in enumerate(self._cand_tokens)]
 
-        neg1 = torch.tensor(-1, dtype=torch.long, device=dev)
-        d_tokens = torch.where(ok, tokens.gather(1, sel_c), neg1)
-        d_parents = torch.where(ok, par_out, neg1)
-        d_scores = torch.where(ok, scores.gather(1, sel_c), torch.tensor(float("-inf"), device=dev))
-        d_prow = torch.where(ok, parent_row.gather(1, sel_c), neg1)
-        d_depth = torch.where(ok, self._cand_depths(dev).gather(1, sel_c), neg1)
+        def padded(first, body: np.ndarray, fill) -> Tensor:
+            out = np.full((b, width), fill, dtype=body.dtype)
+            out[:, 0] = first
+            out[:, 1 : mm + 1] = np.where(ok, body, fill)
+            return self._tensor(out)
 
-        pad = width - 1 - mm
-        root = self.root_tokens[:, None]
-        zero = torch.zeros((b, 1), dtype=torch.long, device=dev)
-
-        def cat(first: Tensor, body: Tensor, fill: float | int) -> Tensor:
-            parts = [first.to(body.dtype), body]
-            if pad > 0:
-                parts.append(torch.full((b, pad), fill, dtype=body.dtype, device=dev))
-            return torch.cat(parts, dim=1)
-
+        root = self.root_tokens.cpu().numpy()
         return DraftTree(
-            tokens=cat(root, d_tokens, -1),
-            parents=cat(zero - 1, d_parents, -1),
-            depths=cat(zero, d_depth, -1),
-            num_nodes=m + 1,
-            scores=cat(torch.zeros((b, 1), device=dev), d_scores, float("-inf")),
-            parent_row=cat(zero - 1, d_prow, -1),
+            tokens=padded(root, pick(self._cand_tokens), -1),
+            parents=padded(-1, par_out, -1),
+            depths=padded(0, pick(depths), -1),
+            num_nodes=self._tensor(m + 1),
+            scores=padded(0.0, scores[at], -np.inf),
+            parent_row=padded(-1, pick(self._cand_parent_row), -1),
         )
 
-    # ------------------------------------------------------------- internals
-    def _cand_depths(self, dev: torch.device) -> Tensor:
-        parts = [
-            torch.full((x.shape[1],), i + 1, dtype=torch.long, device=dev)
-            for i, x in enumerate(self._cand_tokens)
-        ]
-        return torch.cat(parts).expand(self.batch_size, -1)
+
+def _descending(scores: np.ndarray) -> np.ndarray:
+    """Per row, the positions by score descending, ties in position order (stable)."""
+    return np.argsort(-scores, axis=1, kind="stable")
 
 
-def _clean_logprobs(vals: Tensor) -> Tensor:
-    """float32, NaN -> -inf, and at most 0, so scores never rise along a path."""
-    vals = vals.float()
-    return torch.where(torch.isnan(vals), float("-inf"), vals).clamp(max=0.0)
+def _clean_host(vals: Tensor) -> np.ndarray:
+    """float32 on the host, NaN -> -inf, and at most 0, so scores never rise along a path."""
+    vals = vals.detach().float().cpu().numpy()
+    return np.minimum(np.where(np.isnan(vals), -np.inf, vals), 0.0).astype(np.float32)
 
 
-def _ranked_children(logprobs: Tensor, k: int, token_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+def _ranked_children_host(
+    logprobs: Tensor, k: int, token_ids: Tensor | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row's top-``k`` (log-prob, token) in the canonical sibling order: log-prob
-    descending, then token id ascending on ties. ``token_ids`` maps columns to tokens
-    when drafting over a reduced vocabulary."""
-    vals, idx = torch.topk(logprobs, k, dim=-1)
+    descending, then token id ascending on ties. The top-k runs in torch, the order on the
+    host; float32 log-probs and int64 tokens, ``[B, w, k]`` arrays. ``token_ids`` maps
+    columns to tokens when drafting over a reduced vocabulary."""
+    vals, cols = torch.topk(logprobs, k, dim=-1)
     if token_ids is not None:
-        idx = token_ids.to(idx.device)[idx]
-    vals = _clean_logprobs(vals)
-    idx, perm = torch.sort(idx, dim=-1)
-    vals = vals.gather(-1, perm)
-    vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-    return vals, idx.gather(-1, perm)
+        cols = token_ids.to(cols.device)[cols]
+    shape = vals.shape
+    vals, tokens = _clean_host(vals).reshape(-1, k), cols.cpu().numpy().reshape(-1, k)
+    order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, then token ascending
+    at = (np.arange(order.shape[0])[:, None], order)
+    return vals[at].reshape(shape), tokens[at].reshape(shape)
 
 
 def depth_one_tree(
@@ -358,7 +374,7 @@ def depth_one_tree(
 
     A one-pass tree is the root and its best ``min(topk, nodes - 1)`` children,
     in the builder's order. This is the shape the sizer picks most often at batch 1, and
-    here it costs a top-k and two tiny sorts instead of the builder's bookkeeping for
+    here it costs a top-k and one tiny sort instead of the builder's bookkeeping for
     later levels. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
     """
     if topk < 1 or nodes < 1:
@@ -372,21 +388,21 @@ def depth_one_tree(
     width = int(nodes)
     if m == 0:
         return root_only_tree(root_tokens, width)
-    vals, idx = _ranked_children(logprobs, topk, token_ids)
-    vals, idx = vals[:, :m], idx[:, :m]
+    vals, idx = _ranked_children_host(logprobs[:, None, :], topk, token_ids)
+    vals, idx = vals[:, 0, :m], idx[:, 0, :m]
 
-    def row(first: Tensor | int | float, body: Tensor, fill: int | float) -> Tensor:
-        out = torch.full((b, width), fill, dtype=body.dtype, device=dev)
+    def row(first, body: np.ndarray, fill) -> Tensor:
+        out = np.full((b, width), fill, dtype=body.dtype)
         out[:, 0] = first
         out[:, 1 : m + 1] = body
-        return out
+        return torch.from_numpy(out).to(dev)
 
-    zeros = torch.zeros((b, m), dtype=torch.long, device=dev)
+    zeros = np.zeros((b, m), dtype=np.int64)
     return DraftTree(
-        tokens=row(root_tokens, idx.long(), -1),
+        tokens=row(root_tokens.cpu().numpy(), idx, -1),
         parents=row(-1, zeros, -1),
         depths=row(0, zeros + 1, -1),
         num_nodes=torch.full((b,), m + 1, dtype=torch.long, device=dev),
-        scores=row(0.0, vals, float("-inf")),
+        scores=row(0.0, vals, -np.inf),
         parent_row=row(-1, zeros, -1),
     )
