@@ -1,0 +1,70 @@
+"""What building a draft tree costs on the host, outside any engine.
+
+    .venv/bin/python benchmarks/micro/builder_cost.py
+
+``TreeBuilder`` (and ``depth_one_tree`` for one pass) over random draft log-probs of a
+4096-token draft vocabulary, top-4, for the tree shapes the sizer picks: milliseconds per
+tree (median of 7 rounds of 100), one thread. Only the public builder API is used, so the
+same command run on an older checkout times that checkout's builder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree  # noqa: E402
+
+VOCAB, TOPK = 4096, 4
+SHAPES = [(1, 1, 4), (1, 2, 6), (1, 4, 16), (16, 1, 4), (16, 2, 6)]  # batch, passes, nodes
+
+
+def median_ms(build, rounds: int = 7, calls: int = 100) -> float:
+    for _ in range(20):
+        build()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            build()
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return sorted(times)[rounds // 2]
+
+
+def build_tree(roots, logprobs, nodes: int, token_ids):
+    """One tree of ``len(logprobs)`` passes, as the drafter builds it."""
+    if len(logprobs) == 1:
+        return depth_one_tree(roots, logprobs[0], TOPK, nodes, token_ids)
+    builder = TreeBuilder(roots, TOPK, nodes, len(logprobs))
+    for lp in logprobs:
+        builder.step(lp, token_ids)
+    return builder.finalize(pad_to=nodes)
+
+
+def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    token_ids = torch.randperm(VOCAB * 8, generator=gen)[:VOCAB]
+    for batch, passes, nodes in SHAPES:
+        roots = torch.zeros(batch, dtype=torch.long)
+        logprobs = [
+            torch.log_softmax(torch.randn(batch, 1 if i == 0 else TOPK, VOCAB, generator=gen), -1)
+            for i in range(passes)
+        ]
+        ms = median_ms(functools.partial(build_tree, roots, logprobs, nodes, token_ids))
+        print(f"batch {batch:2d}, {passes} passes, {nodes:2d} nodes: {ms:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
