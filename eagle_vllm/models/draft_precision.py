@@ -102,13 +102,14 @@ class _Int8LinearMethod(UnquantizedLinearMethod):
     """Packs the layer's weight (and bias) for ``Int8Gemm`` instead of vLLM's CPU GEMM."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        bias = getattr(layer, "bias", None)
-        layer.int8_gemm = Int8Gemm(layer.weight.data, bias.data if bias is not None else None)
+        layer.int8_gemm = Int8Gemm(layer.weight.data)
         # not read again (vLLM's own CPU linears drop it too)
         layer.weight.data = layer.weight.data.new_empty(0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
-        return layer.int8_gemm(x)  # the packed bias is the layer's (bias is layer.bias)
+        out = layer.int8_gemm(x)
+        # the bias the layer passes: a row-parallel layer passes it on one rank only
+        return out if bias is None else out + bias.to(out.dtype)
 
 
 def run_gemms_in(

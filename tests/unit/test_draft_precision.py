@@ -57,3 +57,23 @@ def test_run_gemms_in_int8_leaves_the_feature_fc_in_float():
     run_gemms_in(torch.qint8, [fc, qkv], feature_fc=fc)
     assert type(fc.quant_method) is UnquantizedLinearMethod
     assert isinstance(qkv.quant_method, _Int8LinearMethod)
+
+
+def test_int8_linear_adds_the_bias_vllm_passes_and_only_that():
+    """A row-parallel layer passes its bias on one rank only: the method must add the
+    bias it is given, not the layer's own on every rank."""
+    from eagle_vllm.models.draft_precision import _Int8LinearMethod
+
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16, generator=gen), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(8, generator=gen), requires_grad=False)
+    bias = layer.bias.data.clone()
+    x = torch.randn(3, 16, generator=gen)
+    want = x @ layer.weight.data.T
+    method = _Int8LinearMethod()
+    method.process_weights_after_loading(layer)
+    assert layer.weight.numel() == 0  # the float weight is dropped
+    without = method.apply(layer, x, None)
+    assert (without - want).norm() / want.norm() < 0.02
+    assert torch.allclose(method.apply(layer, x, bias), without + bias)
