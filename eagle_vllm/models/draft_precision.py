@@ -82,7 +82,6 @@ class Int8Gemm:
             qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         bias = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        self.out_features = weight.shape[0]
         self.reduce_range = _REDUCE_RANGE if reduce_range is None else reduce_range
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +98,8 @@ _REDUCE_RANGE = not torch.cpu._is_vnni_supported()
 
 
 class _Int8LinearMethod(UnquantizedLinearMethod):
-    """Packs the layer's weight (and bias) for ``Int8Gemm`` instead of vLLM's CPU GEMM."""
+    """Packs the layer's weight for ``Int8Gemm`` instead of vLLM's CPU GEMM; the bias is
+    added as the layer passes it."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.int8_gemm = Int8Gemm(layer.weight.data)
