@@ -102,28 +102,17 @@ INT8_VARIANTS = {  # name -> (fc in int8, LM head in int8, 7-bit inputs)
 }
 
 
-class _Int8Linear:
-    """An ``nn.Linear``'s product through the plugin's int8 GEMM."""
-
-    def __init__(self, linear, reduce_range: bool):
-        from eagle_vllm.models.draft_precision import Int8Gemm
-
-        self.gemm = Int8Gemm(linear.weight, linear.bias, reduce_range=reduce_range)
-
-    def __call__(self, x):
-        return self.gemm(x)
-
-
 def _int8_head(model, variant: str) -> None:
     """Swap ``model``'s linear layers for int8 ones as ``variant`` says (in place)."""
     import torch
+
+    from eagle_vllm.models.draft_precision import Int8Gemm
 
     with_fc, _, reduce_range = INT8_VARIANTS[variant]
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear) and (with_fc or name != "fc"):
-                int8 = _Int8Linear(child, reduce_range)
-                child.forward = int8.__call__
+                child.forward = Int8Gemm(child.weight, child.bias, reduce_range=reduce_range)
 
 
 def score_eagle1_head(
