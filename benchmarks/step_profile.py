@@ -577,8 +577,9 @@ MT-bench first turns are decoded to ``--max-tokens``, rounds interleaving the ar
 drafter's parts are timed with wall clocks around them (ms per engine step):
 
 * ``propose``: the whole drafter call (``EagleTreeProposer.propose``);
-* ``first_pass``: the draft over the tokens just verified, with vLLM's attention and
-  input preparation (``vllm_surface.first_pass_forward``);
+* ``first_pass``: the draft over the tokens just verified (``EagleTreeProposer.
+  first_pass``: the platform's in-place attention in decode steps, vLLM's attention and
+  input preparation in prompt steps);
 * ``draft_tree``: expansion and rerank, and inside it ``lm_head`` (the draft LM head and
   log-softmax, every pass), ``prefix_kv`` (the prefix K/V gathered from the paged cache
   for the tree passes), ``layers`` (the draft's layers over each frontier, passes 2 and
@@ -624,17 +625,28 @@ def _time_drafter_parts(worker) -> bool:
     drafter.draft_tree = timed("draft_tree", drafter.draft_tree)
     drafter._draft_logprobs = timed("lm_head", drafter._draft_logprobs)
     drafter._prefix_attention_shims = timed("prefix_kv", drafter._prefix_attention_shims)
-    drafter.model.decode = timed("layers", drafter.model.decode)
-    surface = proposer_module.vllm_surface
-    if not hasattr(surface, "_untimed_first_pass"):
-        surface._untimed_first_pass = surface.first_pass_forward
+    # the draft's layers count as ``layers`` in the tree passes, not in the first pass
+    in_first_pass = [False]
+    first_pass = timed("first_pass", drafter.first_pass)
+
+    def marked_first_pass(*a, **k):
+        in_first_pass[0] = True
+        try:
+            return first_pass(*a, **k)
+        finally:
+            in_first_pass[0] = False
+
+    decode = drafter.model.decode
+    timed_decode = timed("layers", decode)
+    drafter.first_pass = marked_first_pass
+    drafter.model.decode = lambda *a, **k: (decode if in_first_pass[0] else timed_decode)(*a, **k)
+    if not hasattr(proposer_module, "_drafter_times"):
         builder = proposer_module.TreeBuilder
         for name in ("__init__", "step", "finalize"):
             setattr(builder, name, timed("builder", getattr(builder, name)))
         proposer_module.depth_one_tree = timed("builder", proposer_module.depth_one_tree)
         proposer_module.merge_drafts = timed("merge", proposer_module.merge_drafts)
     # the module-level wrappers above add to the current drafter's clocks
-    surface.first_pass_forward = timed("first_pass", surface._untimed_first_pass)
     proposer_module._drafter_times = times
     return True
 

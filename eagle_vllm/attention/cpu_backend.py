@@ -63,6 +63,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 batch.root_pos,
                 batch.ancestor_mask(),  # [R, N, N] bool, built once per step
                 self.scale,
+                0,  # every node is a query
                 out.view(num_tokens, hq * d),
             )
             return out

@@ -15,6 +15,7 @@ other platforms, as the front end does before any worker starts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +44,20 @@ class TreePlatform(ABC):
         """Write K/V rows to these slots with the layer's own backend writer."""
         vllm_surface.write_kv(attn_layer, key, value, slots)
 
+    def prefix_attention(self, attn_layer) -> Callable | None:
+        """An attention over a layer's paged cache read in place, or None where the
+        platform has none for this layer (callers then take vLLM's own attention).
+
+        The callable takes ``(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D],
+        rows [R, N], num_rows [R], blocks [R, B], prefix_len [R], allowed [R, N, N],
+        scale, query_from=0)`` (int64 indices, bool ``allowed``, all contiguous) and
+        returns ``[T, Hq * D]``: the query of row ``rows[r, i]`` (``query_from <= i <
+        num_rows[r]``) attends to request r's cached positions ``< prefix_len[r]`` (its
+        blocks) and to the rows ``rows[r, j]`` that ``allowed[r, i, j]`` admits (j <
+        ``num_rows[r]``); rows before ``query_from`` are keys only. Other rows of the
+        result are zeros."""
+        return None
+
 
 class CPUTreePlatform(TreePlatform):
     """vLLM's CPU backend (``CPU_ATTN``): the cache layout of ``paged_kv.py`` and the tree
@@ -59,6 +74,27 @@ class CPUTreePlatform(TreePlatform):
         from eagle_vllm.attention import cpu_tree_op
 
         cpu_tree_op.load()
+
+    def prefix_attention(self, attn_layer) -> Callable | None:
+        from eagle_vllm.attention import cpu_tree_op
+        from eagle_vllm.attention.paged_kv import check_cpu_isa
+
+        isa = vllm_surface.attention_isa(attn_layer)
+        check_cpu_isa(isa)
+        # the fused op reads the 'vec' layouts in place; AMX's prepacked bf16 blocks not
+        fused = cpu_tree_op.load() if isa != "amx" else None
+        if fused is None:
+            return None
+        kv_cache = vllm_surface.kv_cache_of(attn_layer)
+
+        def attend(query, key, value, rows, num_rows, blocks, prefix_len, allowed, scale,
+                   query_from=0):  # fmt: skip
+            out = query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
+            fused(query, key, value, kv_cache, rows, num_rows, blocks, prefix_len, allowed,
+                  scale, query_from, out)  # fmt: skip
+            return out
+
+        return attend
 
     def gather_prefix_kv(self, attn_layer, block_table, max_len):
         from eagle_vllm.attention.paged_kv import gather_cpu_kv  # checks the layout

@@ -4,17 +4,20 @@ One code path serves both methods; a chain is a tree with ``topk = 1``. ``propos
 (called by vLLM's runner inside ``propose_draft_token_ids``, with the step bound by
 ``bound_to(step)``) reads top to bottom:
 
-1. **First pass** (vLLM attention, paged KV): the draft runs over the tokens the
-   target just verified, with features shifted by one, exactly like vLLM's own EAGLE
-   proposer (``vllm_surface.first_pass_forward``). This writes the draft KV of the
-   accepted prefix and yields the root's draft feature; the root is the token the
-   target just sampled, so the first draft distribution comes from the target's true
-   feature of the last accepted token.
+1. **First pass** (``first_pass``): the draft runs over the tokens the target just
+   verified, with features shifted by one, as vLLM's own EAGLE proposer does. This
+   writes the draft KV of the accepted prefix and yields the root's draft feature; the
+   root is the token the target just sampled, so the first draft distribution comes
+   from the target's true feature of the last accepted token. Decode steps run it with
+   the platform's attention over the paged cache read in place
+   (``TreePlatform.prefix_attention``); prompt steps with vLLM's attention and input
+   preparation (``vllm_surface.first_pass_forward``).
 2. **Tree expansion** (``tree.builder``, ``draft_tree``): depth by depth, the ``topk``
    frontier nodes of every request go through the draft's decoder layers in one
-   batched forward. Their attention sees the draft KV of the prefix (read from the
-   paged cache) plus their own tree ancestors, held in memory, so tree nodes never
-   write into the paged cache and cannot overwrite prefix KV.
+   batched forward. Their attention sees the draft KV of the prefix (read in place
+   from the paged cache, or gathered where the platform cannot) plus their own tree
+   ancestors, held in memory, so tree nodes never write into the paged cache and
+   cannot overwrite prefix KV.
 3. **Rerank** to the step's planned number of nodes; the flat node tokens (parents
    first) go to vLLM's scheduler as the request's draft tokens, and the trees to the
    ``StepState`` (``drafted``), which the next step verifies. With a ``suffix:``
@@ -25,6 +28,7 @@ One code path serves both methods; a chain is a tree with ``topk = 1``. ``propos
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -79,6 +83,118 @@ class _TreeNodeAttention(nn.Module):
             self.scale,
         )
         return out.reshape(batch * width, self.num_heads * self.head_size)
+
+
+# The longest run of rows per request the first pass takes through the platform's
+# in-place attention (a decode step verifies at most a tree's nodes per request); longer
+# runs are prompt chunks, for vLLM's causal kernel.
+OWN_FIRST_PASS_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class _RunPlan:
+    """The first pass's rows, one run per request (``_first_pass_own_attention``):
+    ``rows [R, N]`` (row i of run r; padding repeats the last), ``num_rows [R]``,
+    ``blocks [R, B]`` int64, ``prefix_len [R]`` (the run's first position: the draft KV
+    before it is in the cache), ``allowed [R, N, N]`` (causal), ``slots [T]``."""
+
+    rows: torch.Tensor
+    num_rows: torch.Tensor
+    blocks: torch.Tensor
+    prefix_len: torch.Tensor
+    allowed: torch.Tensor
+    slots: torch.Tensor
+
+
+class _RunAttention(nn.Module):
+    """Stands in for a draft layer's ``Attention`` in the first pass of a decode step:
+    writes the rows' K/V to their slots, and each row attends to its request's draft KV
+    before the run (read in place) and to the run's rows up to itself."""
+
+    def __init__(self, attn: nn.Module, attend, plan: _RunPlan, platform: TreePlatform):
+        super().__init__()
+        self.attn, self.attend, self.plan, self.platform = attn, attend, plan, platform
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_size, self.scale = attn.head_size, attn.impl.scale
+        self.kv_only = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows = q.shape[0]
+        k = k.view(rows, self.num_kv_heads, self.head_size)
+        v = v.view(rows, self.num_kv_heads, self.head_size)
+        self.platform.write_kv(self.attn, k, v, self.plan.slots)
+        if self.kv_only:
+            raise _KVCaptured
+        p = self.plan
+        return self.attend(
+            q.view(rows, self.num_heads, self.head_size), k, v, p.rows, p.num_rows, p.blocks,
+            p.prefix_len, p.allowed, self.scale,
+        )  # fmt: skip
+
+
+class _InPlaceTreeNodeAttention(nn.Module):
+    """``_TreeNodeAttention`` over the prefix read in place from the paged cache
+    (``TreePlatform.prefix_attention``): nothing is gathered. The nodes' queries, K/V
+    and ancestor masks accumulate in per-request buffers; each forward's new nodes are
+    the queries, the earlier ones keys only."""
+
+    def __init__(self, attn: nn.Module, attend, blocks, prefix_lens, batch: int, capacity: int,
+                 dtype: torch.dtype):  # fmt: skip
+        super().__init__()
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_size, self.scale = attn.head_size, attn.impl.scale
+        self.attend, self.blocks, self.prefix_lens = attend, blocks, prefix_lens
+        self.batch, self.count, self.dtype = batch, 0, dtype
+        self.mask: torch.Tensor | None = None
+        self._allocate(max(capacity, 1), blocks.device)
+
+    def _allocate(self, capacity: int, device) -> None:
+        b, d, old = self.batch, self.head_size, self.count
+        prev = (self.query, self.key, self.value, self.allowed) if old else None
+        dtype, self.capacity = self.dtype, capacity
+        self.query = torch.zeros(b, capacity, self.num_heads, d, dtype=dtype, device=device)
+        self.key = torch.zeros(b, capacity, self.num_kv_heads, d, dtype=dtype, device=device)
+        self.value = torch.zeros_like(self.key)
+        self.allowed = torch.zeros(b, capacity, capacity, dtype=torch.bool, device=device)
+        if prev:
+            for new, kept in zip((self.query, self.key, self.value), prev):
+                new[:, :old] = kept[:, :old]
+            self.allowed[:, :old, :old] = prev[3][:, :old, :old]
+        self.rows = torch.arange(b * capacity, device=device).view(b, capacity)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None
+        batch, width = self.mask.shape[:2]
+        start, end = self.count, self.count + width
+        if end > self.capacity:
+            self._allocate(max(end, 2 * self.capacity), q.device)
+        self.query[:, start:end] = q.view(batch, width, self.num_heads, self.head_size)
+        self.key[:, start:end] = k.view(batch, width, self.num_kv_heads, self.head_size)
+        self.value[:, start:end] = v.view(batch, width, self.num_kv_heads, self.head_size)
+        self.allowed[:, start:end, :end] = self.mask
+        self.count = end
+        out = self.attend(
+            self.query.view(-1, self.num_heads, self.head_size),
+            self.key.view(-1, self.num_kv_heads, self.head_size),
+            self.value.view(-1, self.num_kv_heads, self.head_size),
+            self.rows,
+            torch.full((batch,), end, dtype=torch.int64, device=q.device),
+            self.blocks,
+            self.prefix_lens,
+            self.allowed,
+            self.scale,
+            start,
+        )
+        out = out.view(batch, self.capacity, -1)[:, start:end]
+        return out.reshape(batch * width, self.num_heads * self.head_size)
+
+    @property
+    def node_k(self) -> torch.Tensor:
+        return self.key[:, : self.count]
+
+    @property
+    def node_v(self) -> torch.Tensor:
+        return self.value[:, : self.count]
 
 
 class _KVCaptured(Exception):
@@ -138,6 +254,9 @@ class EagleTreeProposer(StepBound, EagleProposer):
         self.draft_rng = torch.Generator(device=device).manual_seed(
             vllm_config.model_config.seed or 0
         )
+        # the platform's in-place attention per draft layer (None: not resolved yet)
+        self._in_place_attends: list | None = None
+        self._causal_masks: dict[int, torch.Tensor] = {}
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -192,25 +311,23 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
         # EAGLE-3: the target's layers, concatenated by vLLM's runner, fused by fc
         target_hidden_states = self.model.draft_features(target_hidden_states)
-        last_hidden, hidden, token_indices_to_sample, cad = vllm_surface.first_pass_forward(
-            self, outputs_only_at=outputs_only_at,
-            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
-            target_positions=target_positions, target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        root_hidden, root_last_hidden, root_positions = self.first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, common_attn_metadata, num_rejected_tokens_gpu,
+            outputs_only_at, drafting,
         )  # fmt: skip
         if not drafting:
             step.drafted, step.drafted_size = None, (0, 1)
-            return torch.empty(batch_size, 0, dtype=torch.int64, device=hidden.device)
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=target_hidden_states.device)
 
         req_ids = step.req_ids[:batch_size]
         temperatures = self._sampling_temperatures(req_ids, sampling_metadata, step)
         tree, draft_q, q_token_ids = self.draft_tree(
             root_tokens=next_token_ids[:batch_size].to(torch.int64),
-            root_hidden=hidden[token_indices_to_sample],
-            root_last_hidden=last_hidden[token_indices_to_sample],  # the LM head runs here
-            root_positions=self.positions[token_indices_to_sample].to(torch.int64),
-            block_table=cad.block_table_tensor[:batch_size],
+            root_hidden=root_hidden,
+            root_last_hidden=root_last_hidden,  # the LM head runs here
+            root_positions=root_positions,
+            block_table=common_attn_metadata.block_table_tensor[:batch_size],
             nodes=nodes,
             passes=passes,
             temperatures=temperatures,
@@ -235,6 +352,106 @@ class EagleTreeProposer(StepBound, EagleProposer):
         if drafts.shape[1] < num_drafts:  # a smaller tree than the slots (never for full trees)
             drafts = torch.nn.functional.pad(drafts, (0, num_drafts - drafts.shape[1]), value=0)
         return drafts.clamp(min=0)
+
+    def first_pass(self, target_token_ids, next_token_ids, target_positions,
+                   target_hidden_states, token_indices_to_sample, cad,
+                   num_rejected_tokens_gpu, outputs_only_at, drafting: bool):  # fmt: skip
+        """The draft over the tokens the target just verified: writes their draft KV and
+        returns each request's root (draft feature ``[B, H]``, the LM head's input
+        ``[B, H]``, position ``[B]``).
+
+        Decode steps run it with the platform's in-place attention
+        (``_first_pass_own_attention``); prefills, and platforms without one, run it as
+        vLLM's own EAGLE proposer does (``vllm_surface.first_pass_forward``)."""
+        own = self._first_pass_own_attention(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, cad, drafting,
+        )  # fmt: skip
+        if own is not None:
+            return own
+        last_hidden, hidden, rows, _ = vllm_surface.first_pass_forward(
+            self, outputs_only_at=outputs_only_at,
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample, cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )  # fmt: skip
+        return hidden[rows], last_hidden[rows], self.positions[rows].to(torch.int64)
+
+    @torch.inference_mode()
+    def _first_pass_own_attention(self, target_token_ids, next_token_ids, target_positions,
+                                  target_hidden_states, token_indices_to_sample, cad,
+                                  drafting: bool):  # fmt: skip
+        """The first pass of a decode step without vLLM's input and attention-metadata
+        preparation (about 1 ms a step on a 2-core CPU, as much as the pass's own ops):
+        each request's rows up to the one sampled from (the accepted path and the bonus
+        token; vLLM's pass also runs the rejected rows, whose KV the next step
+        overwrites) go through the draft's layers, their attention reading the prefix in
+        place from the paged cache (``TreePlatform.prefix_attention``), their K/V written
+        to their slots. None where it does not apply: a prompt chunk in the batch (long
+        runs: vLLM's causal kernel), a compiled draft, a platform without the attention."""
+        batch = cad.batch_size()
+        if cad.max_query_len > OWN_FIRST_PASS_MAX_ROWS or vllm_surface.draft_is_compiled(
+            self.vllm_config
+        ):
+            return None
+        layers = self.draft_layers()
+        attends = self._in_place_attention(layers)
+        if attends is None:
+            return None
+        device = target_hidden_states.device
+        starts = cad.query_start_loc_cpu[: batch + 1].to(torch.int64)
+        if token_indices_to_sample is None:
+            sampled = starts[1:] - 1
+        else:
+            sampled = token_indices_to_sample[:batch].to("cpu", torch.int64)
+        lengths = sampled - starts[:-1] + 1  # rows kept per request (>= 1)
+        width = int(lengths.max())
+        offsets = torch.cumsum(lengths, 0) - lengths  # first kept row of each request
+        total = int(lengths.sum())
+        run_of = torch.repeat_interleave(torch.arange(batch), lengths, output_size=total)
+        kept = starts[:-1][run_of] + torch.arange(total) - offsets[run_of]  # flat rows kept
+        # input ids shifted by one within each request; the sampled row reads the token
+        # the target just sampled (set_inputs_first_pass)
+        shifted = torch.cat((target_token_ids[1:], target_token_ids[-1:]))
+        shifted[sampled.to(device)] = next_token_ids[:batch].to(shifted.dtype)
+        kept_dev = kept.to(device)
+        tokens, positions = shifted[kept_dev], target_positions[kept_dev].to(torch.int64)
+        features = target_hidden_states[kept_dev]
+        column = torch.arange(width)
+        rows = offsets[:, None] + torch.minimum(column[None], lengths[:, None] - 1)
+        plan = _RunPlan(
+            rows=rows.to(device),
+            num_rows=lengths.to(device),
+            blocks=cad.block_table_tensor[:batch].to(torch.int64),
+            prefix_len=target_positions[starts[:-1].to(device)].to(torch.int64),
+            allowed=self._causal(width, device).expand(batch, -1, -1).contiguous(),
+            slots=cad.slot_mapping[kept_dev].to(torch.int64),
+        )
+        shims = [
+            _RunAttention(layer.self_attn.attn, attend, plan, self.platform)
+            for layer, attend in zip(layers, attends)
+        ]
+        sample_rows = (offsets + lengths - 1).to(device)
+        if not drafting:  # only the KV is wanted: the last layer stops once it is written
+            shims[-1].kv_only = True
+        with (
+            _swapped_attention(layers, shims),
+            self._last_layer_outputs_only_at(sample_rows),
+            contextlib.suppress(_KVCaptured),
+        ):
+            logit_hidden, hidden = self.model.decode(tokens, features, positions)
+            return hidden[sample_rows], logit_hidden[sample_rows], positions[sample_rows]
+        empty = target_hidden_states[:0]  # only the KV was written
+        return empty, empty, positions[:0]
+
+    def _causal(self, width: int, device) -> torch.Tensor:
+        """``[width, width]`` bool lower triangle (kept per width)."""
+        mask = self._causal_masks.get(width)
+        if mask is None:
+            mask = torch.ones(width, width, dtype=torch.bool, device=device).tril_()
+            self._causal_masks[width] = mask
+        return mask
 
     def _sampling_temperatures(
         self, req_ids: list[str], sampling_metadata, step: StepState
@@ -323,7 +540,9 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
         layers = self.draft_layers()
         prefix_lens = root_positions + 1  # draft KV at positions <= root's
-        shims = self._prefix_attention_shims(layers, block_table, prefix_lens)
+        shims = self._prefix_attention_shims(
+            layers, block_table, prefix_lens, capacity=(passes - 1) * cfg.topk
+        )
 
         max_position = self.max_model_len - 1
         node_hidden = root_hidden[:, None, :]
@@ -366,7 +585,9 @@ class EagleTreeProposer(StepBound, EagleProposer):
         one-layer head, all but fc and the K/V projection)."""
         device = features.device
         layers = self.draft_layers()
-        shims = self._prefix_attention_shims(layers[:-1], block_table, starts.to(device))
+        shims = self._prefix_attention_shims(
+            layers[:-1], block_table, starts.to(device), capacity=mask.shape[-1]
+        )
         shims.append(_KVOnlyAttention(layers[-1].self_attn.attn, len(block_table)))
         for shim in shims:
             shim.mask = mask
@@ -401,19 +622,44 @@ class EagleTreeProposer(StepBound, EagleProposer):
         return logprobs.view(-1, width, logprobs.shape[-1]), token_ids
 
     def _prefix_attention_shims(
-        self, layers: list[nn.Module], block_table: torch.Tensor, prefix_lens: torch.Tensor
-    ) -> list[_TreeNodeAttention]:
-        """One ``_TreeNodeAttention`` per draft layer over each request's draft KV of
-        positions ``< prefix_lens`` (read from the paged cache)."""
+        self,
+        layers: list[nn.Module],
+        block_table: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        capacity: int,
+    ) -> list[nn.Module]:
+        """One attention stand-in per draft layer over each request's draft KV of
+        positions ``< prefix_lens`` (the paged cache) and ``capacity`` nodes (more
+        grow the buffers): read in place where the platform can
+        (``_InPlaceTreeNodeAttention``), else gathered (``_TreeNodeAttention``)."""
+        attends = self._in_place_attention(layers)
+        batch = len(block_table)
+        if attends is not None:
+            blocks = block_table.to(torch.int64)
+            prefix_lens = prefix_lens.to(torch.int64)
+            return [
+                _InPlaceTreeNodeAttention(
+                    layer.self_attn.attn, attend, blocks, prefix_lens, batch, capacity, self.dtype
+                )
+                for layer, attend in zip(layers, attends)
+            ]
         max_prefix = max(1, int(prefix_lens.max()))
         shims = []
         for layer in layers:
             attn = layer.self_attn.attn
             prefix_k, prefix_v = self.platform.gather_prefix_kv(attn, block_table, max_prefix)
-            shims.append(
-                _TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, len(block_table))
-            )
+            shims.append(_TreeNodeAttention(attn, prefix_k, prefix_v, prefix_lens, batch))
         return shims
+
+    def _in_place_attention(self, layers: list[nn.Module]) -> list | None:
+        """The platform's in-place attention of each of ``layers`` (None: not for all)."""
+        if self._in_place_attends is None:
+            everyone = self.draft_layers()
+            self._in_place_attends = [
+                self.platform.prefix_attention(layer.self_attn.attn) for layer in everyone
+            ]
+        attends = self._in_place_attends[: len(layers)]
+        return None if any(a is None for a in attends) else attends
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The drafter's first pass writes the draft KV of every verified or prompt row but reads
 its output at one row per request: the last draft layer's output projection and MLP run
-on those rows only, and nowhere when the step drafts nothing. Nothing the drafter reads
-may change (real vLLM, CPU, fp32)."""
+on those rows only, and nowhere when the step drafts nothing. In decode steps it runs
+with the platform's in-place attention instead of vLLM's input and metadata
+preparation. Nothing the drafter reads may change (real vLLM, CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,20 @@ from test_eagle_chain import PROMPTS, greedy, token_ids
 pytestmark = pytest.mark.vllm
 
 
-def _run(tiny, monkeypatch, trimmed: bool) -> dict:
+def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True) -> dict:
+    """``in_place=False``: the drafter's attention as on a platform without an in-place
+    one (vLLM's first pass, prefixes gathered for the tree passes)."""
     from eagle_vllm import LLM
     from eagle_vllm.engine import proposer
 
-    roots, row_counts = [], []
+    roots, trees, row_counts, own_passes = [], [], [], []
     draft_tree = proposer.EagleTreeProposer.draft_tree
 
     def recording_draft_tree(self, **kw):
         roots.append((kw["root_hidden"].clone(), kw["root_last_hidden"].clone()))
-        return draft_tree(self, **kw)
+        out = draft_tree(self, **kw)
+        trees.append(out[0].tokens.clone())
+        return out
 
     at_rows = proposer._AtRows.forward
 
@@ -32,8 +37,20 @@ def _run(tiny, monkeypatch, trimmed: bool) -> dict:
         row_counts.append((x.shape[0], self.rows.numel()))
         return at_rows(self, x)
 
+    own_pass = proposer.EagleTreeProposer._first_pass_own_attention
+
+    def counting_own_pass(self, *args):
+        out = own_pass(self, *args)
+        own_passes.append(out is not None)
+        return out
+
     monkeypatch.setattr(proposer.EagleTreeProposer, "draft_tree", recording_draft_tree)
     monkeypatch.setattr(proposer._AtRows, "forward", counting_forward)
+    monkeypatch.setattr(proposer.EagleTreeProposer, "_first_pass_own_attention", counting_own_pass)
+    if not in_place:
+        monkeypatch.setattr(
+            proposer.EagleTreeProposer, "_in_place_attention", lambda self, layers: None
+        )
     if not trimmed:
         monkeypatch.setattr(
             proposer.EagleTreeProposer,
@@ -47,7 +64,8 @@ def _run(tiny, monkeypatch, trimmed: bool) -> dict:
     out = token_ids(llm.generate(PROMPTS, greedy(max_tokens=32)))
     shutdown(llm)
     monkeypatch.undo()
-    return {"tokens": out, "roots": roots, "row_counts": row_counts}
+    return {"tokens": out, "roots": roots, "trees": trees, "row_counts": row_counts,
+            "own_passes": own_passes}  # fmt: skip
 
 
 def test_first_pass_outputs_only_where_read(tiny, monkeypatch):
@@ -63,3 +81,21 @@ def test_first_pass_outputs_only_where_read(tiny, monkeypatch):
     for (hidden_a, last_a), (hidden_b, last_b) in zip(trimmed["roots"], full["roots"]):
         torch.testing.assert_close(hidden_a, hidden_b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(last_a, last_b, atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_attention_matches_vllms_and_gathered(tiny, monkeypatch):
+    """The drafter's attention over the paged cache read in place (the first pass of
+    decode steps, the tree passes) writes the same draft KV and drafts the same trees
+    as vLLM's first pass and gathered prefixes: every later root and tree reads the KV
+    earlier passes wrote."""
+    theirs = _run(tiny, monkeypatch, trimmed=True, in_place=False)
+    ours = _run(tiny, monkeypatch, trimmed=True, in_place=True)
+    assert ours["tokens"] == theirs["tokens"]
+    # decode steps took the in-place first pass; prompt steps (runs over 64 rows) vLLM's
+    assert sum(ours["own_passes"]) > 10 and not all(ours["own_passes"])
+    assert not any(theirs["own_passes"])
+    assert len(ours["roots"]) == len(theirs["roots"]) > 10
+    for (hidden_a, last_a), (hidden_b, last_b) in zip(ours["roots"], theirs["roots"]):
+        torch.testing.assert_close(hidden_a, hidden_b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last_a, last_b, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(ours["trees"], theirs["trees"]))

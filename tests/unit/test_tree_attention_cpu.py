@@ -150,3 +150,61 @@ def test_tree_rows_match_the_reference(
     # the torch path's additive mask (R x N x prefix span) is built only where it is used
     plan = batch.attention_plan(dtype, block)
     assert ("mask" in vars(plan)) == (tree_attention_path == "torch" or isa == "amx")
+
+
+@pytest.mark.parametrize("query_from", [0, 3])
+def test_platform_prefix_attention_reads_the_cache_in_place(query_from: int, monkeypatch):
+    """``CPUTreePlatform.prefix_attention`` (the drafter's first pass and tree passes):
+    rows from ``query_from`` on attend to their request's cached prefix and the rows
+    ``allowed`` admits, earlier rows are keys only, and rows it does not compute are
+    zeros."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from eagle_vllm.attention import cpu_tree_op
+    from eagle_vllm.attention.paged_kv import SUPPORTED_CPU_ISAS, gather_cpu_kv
+    from eagle_vllm.attention.platform import CPUTreePlatform
+    from eagle_vllm.attention.reference import prefix_tree_attention
+
+    monkeypatch.setenv("EAGLE_VLLM_TREE_ATTENTION", "fused")
+    cpu_tree_op.load.cache_clear()
+    block, dtype = 16, torch.float32
+    isa = _get_attn_isa(dtype, block, D)
+    if isa not in SUPPORTED_CPU_ISAS:
+        pytest.skip(f"attention ISA {isa}: not a layout the op reads")
+    gen = torch.Generator().manual_seed(7 + query_from)
+    prefixes, num_rows, width = [37, 5], [7, 5], 7
+    r = len(prefixes)
+    kv_cache = torch.zeros(2 * 4 + 1, H_KV, block, 2 * D, dtype=dtype)
+    block_table = (torch.randperm(2 * 4, generator=gen) + 1).view(r, -1).to(torch.int64)
+    view = kv_cache.view(kv_cache.shape[0], H_KV, block * 2, D)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    for b, p in enumerate(prefixes):
+        pos = torch.arange(p)
+        k, v = (torch.randn(p, H_KV, D, generator=gen) for _ in "kv")
+        slots = block_table[b, pos // block] * block + pos % block
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+    layer = SimpleNamespace(isa=isa, kv_cache=[kv_cache])
+    attend = CPUTreePlatform().prefix_attention(layer)
+    assert attend is not None
+    total = r * width
+    query = torch.randn(total, H_Q, D, generator=gen)
+    key = torch.randn(total, H_KV, D, generator=gen)
+    value = torch.randn(total, H_KV, D, generator=gen)
+    rows = torch.arange(total).view(r, width)
+    allowed = torch.rand(r, width, width, generator=gen) < 0.5
+    allowed |= torch.eye(width, dtype=torch.bool)  # every row sees itself
+    out = attend(query, key, value, rows, torch.tensor(num_rows), block_table,
+                 torch.tensor(prefixes), allowed.contiguous(), D**-0.5, query_from)  # fmt: skip
+    out = out.view(r, width, H_Q, D)
+    for b, (n, p) in enumerate(zip(num_rows, prefixes)):
+        pk, pv = gather_cpu_kv(kv_cache, block_table[b : b + 1].to(torch.int32), p, isa)
+        own = slice(b * width, b * width + n)
+        want = prefix_tree_attention(
+            query[None, own][:, query_from:], pk, pv, torch.tensor([p]), key[None, own],
+            value[None, own], allowed[b : b + 1, query_from:n, :n], D**-0.5,
+        )  # fmt: skip
+        torch.testing.assert_close(out[b : b + 1, query_from:n], want, rtol=1e-5, atol=1e-5)
+        assert not out[b, :query_from].any() and not out[b, n:].any()
+    cpu_tree_op.load.cache_clear()

@@ -193,7 +193,8 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key,
                            const at::Tensor& value, const at::Tensor& kv_cache,
                            const at::Tensor& rows, const at::Tensor& num_nodes,
                            const at::Tensor& blocks, const at::Tensor& prefix_len,
-                           const at::Tensor& allowed, double scale, at::Tensor& out) {
+                           const at::Tensor& allowed, double scale, int64_t query_from,
+                           at::Tensor& out) {
   const int64_t num_trees = rows.size(0), width = rows.size(1);
   const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -226,7 +227,10 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key,
       const int64_t pair = task / shares, share = task % shares;
       const int64_t r = pair / num_kv_heads, kvh = pair % num_kv_heads;
       const int64_t n = nodes_ptr[r], prefix = prefix_ptr[r];
-      const int64_t first = share * n / shares, last = (share + 1) * n / shares;
+      // nodes before query_from are keys only (a draft's earlier tree passes)
+      const int64_t q0 = std::min(std::max<int64_t>(query_from, 0), n), nq_nodes = n - q0;
+      const int64_t first = q0 + share * nq_nodes / shares,
+                    last = q0 + (share + 1) * nq_nodes / shares;
       if (first == last) continue;
       const int64_t span = prefix + n, nq = (last - first) * group;
       const int64_t nq_tiles = (nq + kTileQ - 1) / kTileQ;
@@ -312,12 +316,13 @@ void check_rows(const at::Tensor& t, const char* name, int64_t heads, int64_t he
 // query [T, Hq, D], key/value [T, Hkv, D] (this step's rows), kv_cache [blocks, Hkv, bs, 2D],
 // rows [R, N] int64 (flat token row of each node; padding repeats the root), num_nodes
 // [R] int64, blocks [R, B] int64, prefix_len [R] int64 (the root's position), allowed
-// [R, N, N] bool; writes out [T, Hq * D] at the rows of the real nodes.
+// [R, N, N] bool, query_from: nodes i < query_from are keys only; writes out [T, Hq * D]
+// at the rows of the real nodes from query_from on.
 void tree_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                     const at::Tensor& kv_cache, const at::Tensor& rows,
                     const at::Tensor& num_nodes, const at::Tensor& blocks,
                     const at::Tensor& prefix_len, const at::Tensor& allowed, double scale,
-                    at::Tensor out) {
+                    int64_t query_from, at::Tensor out) {
   const int64_t heads = query.size(1), head_size = query.size(2);
   const int64_t kv_heads = kv_cache.size(1);
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(3) == 2 * head_size,
@@ -344,7 +349,7 @@ void tree_attention(const at::Tensor& query, const at::Tensor& key, const at::Te
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     tree_attention_kernel<scalar_t>(query, key, value, kv_cache, rows, num_nodes, blocks,
-                                    prefix_len, allowed, scale, out);
+                                    prefix_len, allowed, scale, query_from, out);
   };
   switch (query.scalar_type()) {
     case at::kFloat: run(float{}); break;
