@@ -581,8 +581,9 @@ drafter's parts are timed with wall clocks around them (ms per engine step):
   first_pass``: the platform's in-place attention in decode steps, vLLM's attention and
   input preparation in prompt steps);
 * ``draft_tree``: expansion and rerank, and inside it ``lm_head`` (the draft LM head and
-  log-softmax, every pass), ``prefix_kv`` (the prefix K/V gathered from the paged cache
-  for the tree passes), ``layers`` (the draft's layers over each frontier, passes 2 and
+  log-softmax, every pass), ``prefix_kv`` (the tree passes' attention set up: node
+  buffers where the prefix is read in place, else the prefix K/V gathered from the
+  paged cache), ``layers`` (the draft's layers over each frontier, passes 2 and
   on), ``builder`` (the tree builder's steps and rerank) and ``tree_rest`` (what is left:
   masks, gathers);
 * ``merge``: the suffix candidates merged into the trees;
