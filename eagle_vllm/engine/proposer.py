@@ -144,30 +144,20 @@ class _InPlaceTreeNodeAttention(nn.Module):
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_size, self.scale = attn.head_size, attn.impl.scale
         self.attend, self.blocks, self.prefix_lens = attend, blocks, prefix_lens
-        self.batch, self.count, self.dtype = batch, 0, dtype
+        self.count, self.capacity = 0, max(capacity, 1)
         self.mask: torch.Tensor | None = None
-        self._allocate(max(capacity, 1), blocks.device)
-
-    def _allocate(self, capacity: int, device) -> None:
-        b, d, old = self.batch, self.head_size, self.count
-        prev = (self.query, self.key, self.value, self.allowed) if old else None
-        dtype, self.capacity = self.dtype, capacity
-        self.query = torch.zeros(b, capacity, self.num_heads, d, dtype=dtype, device=device)
-        self.key = torch.zeros(b, capacity, self.num_kv_heads, d, dtype=dtype, device=device)
+        n, d, device = self.capacity, self.head_size, blocks.device
+        self.query = torch.zeros(batch, n, self.num_heads, d, dtype=dtype, device=device)
+        self.key = torch.zeros(batch, n, self.num_kv_heads, d, dtype=dtype, device=device)
         self.value = torch.zeros_like(self.key)
-        self.allowed = torch.zeros(b, capacity, capacity, dtype=torch.bool, device=device)
-        if prev:
-            for new, kept in zip((self.query, self.key, self.value), prev):
-                new[:, :old] = kept[:, :old]
-            self.allowed[:, :old, :old] = prev[3][:, :old, :old]
-        self.rows = torch.arange(b * capacity, device=device).view(b, capacity)
+        self.allowed = torch.zeros(batch, n, n, dtype=torch.bool, device=device)
+        self.rows = torch.arange(batch * n, device=device).view(batch, n)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.mask is not None
         batch, width = self.mask.shape[:2]
         start, end = self.count, self.count + width
-        if end > self.capacity:
-            self._allocate(max(end, 2 * self.capacity), q.device)
+        assert end <= self.capacity, "more nodes than the drafter planned for"
         self.query[:, start:end] = q.view(batch, width, self.num_heads, self.head_size)
         self.key[:, start:end] = k.view(batch, width, self.num_kv_heads, self.head_size)
         self.value[:, start:end] = v.view(batch, width, self.num_kv_heads, self.head_size)
@@ -629,8 +619,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
         capacity: int,
     ) -> list[nn.Module]:
         """One attention stand-in per draft layer over each request's draft KV of
-        positions ``< prefix_lens`` (the paged cache) and ``capacity`` nodes (more
-        grow the buffers): read in place where the platform can
+        positions ``< prefix_lens`` (the paged cache) and at most ``capacity`` nodes: read
+        in place where the platform can
         (``_InPlaceTreeNodeAttention``), else gathered (``_TreeNodeAttention``)."""
         attends = self._in_place_attention(layers)
         batch = len(block_table)
