@@ -8,6 +8,7 @@ the duration of the call (``vllm_surface.cpu_worker_builds``).
 RPCs, reachable with ``LLM.collective_rpc(name)``: ``eagle_vllm_timings`` (the runner's
 phases), ``eagle_vllm_sizing`` (the load-aware sizer's table, ``total_tokens: auto``),
 ``eagle_vllm_sizing_profile`` (the same measurements as a calibration profile),
+``eagle_vllm_sizing_sweep`` (calibration: run every arm in turn),
 ``eagle_vllm_suffix`` (the suffix source's counts and recorded candidates) and
 ``eagle_vllm_rng_digest`` (the random state speculation draws from, per rank).
 """
@@ -78,6 +79,16 @@ class EagleWorker(vllm_surface.cpu_worker_base()):
         if suffix.record is not None:
             out["drafted"] = {k: [list(d) for d in v] for k, v in suffix.record.items()}
         return out
+
+    def eagle_vllm_sizing_sweep(self, visits: int | None = None, steps_per_visit: int = 3) -> int:
+        """Start a calibration sweep (``TreeSizer.start_sweep``) if ``visits`` is given;
+        returns the sweep's steps left (0 when none runs, or without the auto sizer)."""
+        sizer = getattr(self.model_runner, "sizer", None)
+        if sizer is None:
+            return 0
+        if visits is not None:
+            sizer.start_sweep(visits, steps_per_visit)
+        return sizer.sweep_steps_left
 
     def eagle_vllm_sizing_profile(self) -> dict:
         """The sizer's measurements as a profile (``eagle-vllm calibrate``; {} unless auto)."""

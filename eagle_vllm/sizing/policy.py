@@ -57,6 +57,9 @@ PROFILE_COST_KEYS = ("verify_seconds", "draft_seconds", "verify_seconds_sampled"
                      "draft_seconds_sampled")  # fmt: skip
 
 Arm = tuple[int, int]
+# A calibration sweep visits an arm again only while it is within this much of the best
+# arm's predicted throughput (``TreeSizer._next_swept``).
+SWEEP_CLEAR_LOSS = 0.25
 
 
 def candidate_sizes(max_passes: int, topk: int, max_nodes: int, extra_nodes: int = 0) -> list[Arm]:
@@ -152,6 +155,10 @@ class TreeSizer:
         self.last_decision: Decision | None = None
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
         self.pinned: Arm | None = None  # benchmarks: every step runs this arm
+        # calibration (``start_sweep``): the visits still to make, the last first
+        self._sweep: list[Arm] = []
+        self._sweep_steps_per_visit, self._sweep_visit_left = 1, 0
+        self._sweep_arm, self._sweep_visited = OFF, set()
 
     # -- measurements ------------------------------------------------------
     @property
@@ -217,13 +224,67 @@ class TreeSizer:
 
     # -- the decision --------------------------------------------------------
     def decide(self, batch_size: int, num_sampled: int = 0) -> Arm:
-        """``choose`` and ``commit``: the arm of the next step (``pinned`` if set)."""
+        """``choose`` and ``commit``: the arm of the next step (``pinned`` if set, else the
+        sweep's next arm while one runs)."""
         decision = self.choose(batch_size, num_sampled)
         self.commit(decision)
-        if self.pinned is not None:  # benchmarks: one arm, still measured
-            self.history[-1] = (batch_size, *self.pinned)
-            return self.pinned
+        forced = self.pinned
+        if forced is None and self.sweep_steps_left:
+            forced = self._next_swept(batch_size, num_sampled)
+        if forced is not None:  # benchmarks and calibration: the arm is set, still measured
+            self.history[-1] = (batch_size, *forced)
+            return forced
         return decision.arm
+
+    def start_sweep(self, visits: int = 3, steps_per_visit: int = 3) -> None:
+        """Calibration (``eagle-vllm calibrate``): the next steps run every arm in turn,
+        ``steps_per_visit`` steps at a time, and all arms ``visits`` times over.
+
+        Measured as usual, every arm's cost window then holds samples from each round
+        (one measurement per arm is one noisy sample, and the machine drifts between
+        arms measured at different times: interleaved rounds spread the drift over all
+        of them), and acceptance is measured at every depth the config allows, also
+        for trees the free sizer would not try at this load. After its first visit an
+        arm that clearly loses is not visited again (``_next_swept``). Then the sizer
+        chooses again."""
+        if visits < 0 or steps_per_visit < 1:
+            raise ValueError(
+                f"visits must be >= 0 and steps_per_visit >= 1, got {visits}, {steps_per_visit}"
+            )
+        self._sweep = [arm for _ in range(visits) for arm in self.arms][::-1]  # popped
+        self._sweep_steps_per_visit = steps_per_visit
+        self._sweep_arm, self._sweep_visit_left = OFF, 0
+        self._sweep_visited = set()
+
+    @property
+    def sweep_steps_left(self) -> int:
+        """Steps of the current sweep still to run, at most (0: none running)."""
+        return self._sweep_visit_left + len(self._sweep) * self._sweep_steps_per_visit
+
+    def _next_swept(self, batch_size: int, num_sampled: int) -> Arm | None:
+        """The sweep's arm for this step. After an arm's first visit, a visit is skipped
+        while the arm, as measured, loses to the best arm by more than
+        ``SWEEP_CLEAR_LOSS``: beyond the machine's noise, so its rank cannot change (at
+        64 requests a 16-node tree verifies 1024 tokens a step)."""
+        while self._sweep_visit_left == 0:
+            if not self._sweep:
+                return None  # the last visits were skipped: the sizer's own choice
+            arm = self._sweep.pop()
+            if arm in self._sweep_visited and self._clearly_loses(batch_size, num_sampled, arm):
+                continue
+            self._sweep_visited.add(arm)
+            self._sweep_arm, self._sweep_visit_left = arm, self._sweep_steps_per_visit
+        self._sweep_visit_left -= 1
+        return self._sweep_arm
+
+    def _clearly_loses(self, batch_size: int, num_sampled: int, arm: Arm) -> bool:
+        share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
+        mode = SAMPLED if share > 0 else GREEDY
+        costs, _ = self.costs.arm_costs(batch_size, mode, self.arms)
+        if arm not in costs:
+            return False
+        rates = {a: self.expected_tokens(a, share) / max(c, 1e-9) for a, c in costs.items()}
+        return rates[arm] * (1.0 + SWEEP_CLEAR_LOSS) < max(rates.values())
 
     def choose(self, batch_size: int, num_sampled: int = 0) -> Decision:
         """The next step's arm for ``batch_size`` requests, of which ``num_sampled`` sample

@@ -32,6 +32,16 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     assert json.loads(out.read_text()) == profile
     buckets = {int(key.split(",")[0]) for key in profile["verify_seconds"]}
     assert {1, 4} <= buckets, profile["verify_seconds"]  # (and the tail of a batch)
+    # the sweep ran every arm at each level: every tree size and pass count is measured,
+    # also those the free sizer would not have tried
+    arms = TreeSizer(max_passes=2, topk=2, max_nodes=4).arms
+    for bucket in (1, 4):
+        for table in ("", "_sampled"):
+            verified = {f"{bucket},{m}" for _, m in arms}
+            drafted = {f"{bucket},{d}" for d, _ in arms}
+            assert verified <= set(profile["verify_seconds" + table]), (bucket, table)
+            assert drafted <= set(profile["draft_seconds" + table]), (bucket, table)
+    assert profile["acceptance"]["trials"][2][2] > 0  # two-pass trees verified at depth 2
     assert profile["acceptance"]["trials"][2][1] > 0  # drafted trees were verified
     # T=1 requests (the default temperatures are 0 and 1) kept their own acceptance: the
     # runner told the sizer which requests sample
@@ -40,6 +50,7 @@ def test_calibrate_writes_a_profile_that_an_engine_starts_from(tiny, tmp_path):
     # sizer each step's mode)
     assert {1, 4} <= {int(key.split(",")[0]) for key in profile["verify_seconds_sampled"]}
     assert profile["calibration"]["concurrency"] == [1, 4]
+    assert profile["calibration"]["visits"] == 3
 
     # the config `--write-config` writes (absolute paths: it lives in another folder)
     spec["model"] = os.path.relpath(tiny["draft_noisy"], tmp_path)  # relative to the config

@@ -827,3 +827,60 @@ def test_choose_is_a_question_and_commit_its_answer():
     assert sizer.choose(4, num_sampled=4).sampled_share == 1.0 and state() == before
     sizer.commit(first)
     assert sizer.steps == before[0] + 1 and sizer.history[-1] == (4, *first.arm)
+
+
+def test_a_calibration_sweep_runs_every_arm_then_the_contenders_in_rounds():
+    """``start_sweep``: every arm for ``steps_per_visit`` steps, then the arms still in
+    contention (within ``SWEEP_CLEAR_LOSS`` of the best) again in each later round;
+    then the sizer chooses again."""
+    from eagle_vllm.sizing.policy import SWEEP_CLEAR_LOSS
+
+    sizer = TreeSizer(max_passes=2, topk=2, max_nodes=4)
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
+    rates = {a: engine.tokens_per_second(1, a) for a in sizer.arms}
+    best = max(rates, key=rates.get)
+    assert rates[best] > (1 + SWEEP_CLEAR_LOSS) * rates[OFF]  # no drafts clearly loses
+    sizer.start_sweep(visits=3, steps_per_visit=2)
+    assert sizer.sweep_steps_left == 3 * 2 * len(sizer.arms)  # at most
+    run(sizer, engine, batch=1, steps=60)
+    swept = [tuple(h[1:]) for h in sizer.history[: 2 * len(sizer.arms)]]
+    assert swept == [arm for arm in sizer.arms for _ in range(2)]  # the first round: all
+    later = [tuple(h[1:]) for h in sizer.history[2 * len(sizer.arms) :]]
+    assert sizer.sweep_steps_left == 0
+    assert OFF not in later[:8]  # clearly losing: not visited again
+    assert later[:2].count(later[0]) == 2 and best in later[:8]
+    # the best arm's windows hold samples from every round
+    assert len(sizer.draft_cost[(1, best[0])].samples) >= 6
+    assert len(sizer.verify_cost[(1, best[1])].samples) >= 6
+    assert sizer.acceptance.trials[2, 2] > 0  # two-pass trees were verified at depth 2
+    assert sizer.choose(1).arm == best  # the sizer's own choice again
+
+
+def test_a_sweep_outvotes_one_slow_sample_per_arm():
+    """One measurement per arm is one noisy sample: a stray slow step on an arm's first
+    visit (a garbage collection, another tenant) costs it the choice. A sweep's visits
+    of three steps hold three samples, whose median is the arm's real cost."""
+    engine = SimulatedEngine(rate=0.8, draft_pass=0.05, per_token=0.02)
+    best = best_arm(engine, 1, TreeSizer(max_passes=2, topk=2, max_nodes=4).arms)
+    assert best != OFF
+    slow_once = set()
+
+    class Stray(SimulatedEngine):
+        def verify_seconds(self, batch, nodes, sampled=False):
+            seconds = super().verify_seconds(batch, nodes, sampled)
+            if nodes == best[1] and nodes not in slow_once:  # its first measurement
+                slow_once.add(nodes)
+                return 3 * seconds
+            return seconds
+
+    stray = Stray(rate=0.8, draft_pass=0.05, per_token=0.02)
+    once = TreeSizer(max_passes=2, topk=2, max_nodes=4)
+    once.start_sweep(visits=1, steps_per_visit=1)
+    # one step more: a step's tree is verified, and its cost measured, in the next step
+    run(once, stray, batch=1, steps=once.sweep_steps_left + 1)
+    assert once.choose(1).arm != best  # misled by the stray sample
+    slow_once.clear()
+    swept = TreeSizer(max_passes=2, topk=2, max_nodes=4)
+    swept.start_sweep(visits=3, steps_per_visit=3)
+    run(swept, stray, batch=1, steps=swept.sweep_steps_left + 1)
+    assert swept.choose(1).arm == best
