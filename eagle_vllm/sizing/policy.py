@@ -279,12 +279,16 @@ class TreeSizer:
 
     def _clearly_loses(self, batch_size: int, num_sampled: int, arm: Arm) -> bool:
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
+        _, _, rates = self._predicted_rates(batch_size, share)
+        return arm in rates and rates[arm] * (1.0 + SWEEP_CLEAR_LOSS) < max(rates.values())
+
+    def _predicted_rates(self, batch_size: int, share: float):
+        """Every measured arm's cost, the verify costs they were built from, and its
+        predicted tokens per second, for a batch of which ``share`` samples."""
         mode = SAMPLED if share > 0 else GREEDY
-        costs, _ = self.costs.arm_costs(batch_size, mode, self.arms)
-        if arm not in costs:
-            return False
+        costs, verify = self.costs.arm_costs(batch_size, mode, self.arms)
         rates = {a: self.expected_tokens(a, share) / max(c, 1e-9) for a, c in costs.items()}
-        return rates[arm] * (1.0 + SWEEP_CLEAR_LOSS) < max(rates.values())
+        return costs, verify, rates
 
     def choose(self, batch_size: int, num_sampled: int = 0) -> Decision:
         """The next step's arm for ``batch_size`` requests, of which ``num_sampled`` sample
@@ -292,8 +296,7 @@ class TreeSizer:
         step = self.steps + 1
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
         mode = SAMPLED if share > 0 else GREEDY
-        costs, verify = self.costs.arm_costs(batch_size, mode, self.arms)
-        rates = {a: self.expected_tokens(a, share) / max(c, 1e-9) for a, c in costs.items()}
+        costs, verify, rates = self._predicted_rates(batch_size, share)
         base = costs.get(self._last_best) or costs.get(OFF)
         ctx = _Context(
             costs=costs,

@@ -42,17 +42,25 @@ class StandInLLM:
         return []
 
 
-def test_calibrate_sweeps_each_level_with_a_cold_suffix_cache_per_batch(monkeypatch, tmp_path):
-    import eagle_vllm
+@pytest.fixture
+def auto_config(monkeypatch):
+    """Any config parses as one with ``total_tokens: auto``."""
     import eagle_vllm.config
-    from eagle_vllm.calibrate import calibrate
 
-    monkeypatch.setattr(eagle_vllm, "LLM", StandInLLM)
     monkeypatch.setattr(
         eagle_vllm.config,
         "parse_speculative_config",
         lambda config, target=None: types.SimpleNamespace(auto_size=True),
     )
+
+
+def test_calibrate_sweeps_each_level_with_a_cold_suffix_cache_per_batch(
+    monkeypatch, tmp_path, auto_config
+):
+    import eagle_vllm
+    from eagle_vllm.calibrate import calibrate
+
+    monkeypatch.setattr(eagle_vllm, "LLM", StandInLLM)
     prompts = [f"p{i}" for i in range(10)]
     calibrate("target", "auto.yaml", tmp_path / "profile.json", concurrency=(1, 4),
               prompts=prompts, temperatures=(0.0, 1.0), visits=2, steps_per_visit=3)  # fmt: skip
@@ -70,20 +78,16 @@ def test_calibrate_sweeps_each_level_with_a_cold_suffix_cache_per_batch(monkeypa
     assert all(len(b) == 4 for b in level_1) and len({p for b in level_1 for p in b}) == 10
 
 
-def test_calibrate_refuses_bad_sweep_settings_before_starting_an_engine(monkeypatch, tmp_path):
+def test_calibrate_refuses_bad_sweep_settings_before_starting_an_engine(
+    monkeypatch, tmp_path, auto_config
+):
     import eagle_vllm
-    import eagle_vllm.config
     from eagle_vllm.calibrate import calibrate
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started")
 
     monkeypatch.setattr(eagle_vllm, "LLM", no_engine)
-    monkeypatch.setattr(
-        eagle_vllm.config,
-        "parse_speculative_config",
-        lambda config, target=None: types.SimpleNamespace(auto_size=True),
-    )
     for visits, steps in ((-1, 3), (3, 0)):
         with pytest.raises(ValueError, match="visits"):
             calibrate("target", "auto.yaml", tmp_path / "p.json", visits=visits,
