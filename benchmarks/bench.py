@@ -63,7 +63,7 @@ TABLE_SYSTEMS = (
     "vanilla", "ngram", "vllm-eagle", "eagle", "eagle2", "eagle2-auto", "suffix", "eagle2-suffix",
 )  # fmt: skip
 # also accepted: vLLM's suffix decoding, where arctic-inference is installed
-TABLE_OPTIONAL = ("vllm-suffix", "vllm-eagle3", "eagle2-auto-nosuffix")
+TABLE_OPTIONAL = ("vllm-suffix", "vllm-eagle3", "eagle2-auto-nosuffix", "eagle2-auto-nocontext")
 CURVE_SYSTEMS = ("vanilla", "eagle", "eagle2", "eagle2-auto")
 CURVE_OPTIONAL = ("suffix", "eagle2-suffix")
 
@@ -91,6 +91,8 @@ Systems (each in its own engine process, one after the other, same settings):
   (not in the default list)
 * ``eagle2-auto-nosuffix`` ``--auto-config`` without its suffix section (not in the
   default list)
+* ``eagle2-auto-nocontext`` ``--auto-config`` with ``draft_vocab_context: false``: the
+  head drafts its frequent tokens only (not in the default list)
 
 Systems that learn from past requests (a suffix source's cache of responses) start
 every condition with that cache emptied, so no prompt is ever seen twice; a request

@@ -39,6 +39,7 @@ SYSTEMS = {
     "suffix": "eagle-vllm model-free suffix trees (--suffix-config)",
     "eagle2-suffix": "eagle-vllm tree merged with suffix candidates (--eagle2-suffix-config)",
     "eagle2-auto-nosuffix": "--auto-config without its suffix section (the source's A/B)",
+    "eagle2-auto-nocontext": "--auto-config with draft_vocab_context: false (its A/B)",
     "vllm-suffix": "vLLM's built-in suffix decoding (arctic-inference; --vllm-suffix-k drafts)",
     # on the plugin's worker, whose runner times the same phases as the plugin's own steps
     "vanilla-timed": "vanilla vLLM on the plugin's worker (its runner times the phases)",
@@ -189,17 +190,22 @@ def engine_kwargs(
     return kwargs
 
 
-def _edited_config(path: str, drop: str | None = None, draft_dtype: str | None = None) -> dict:
-    """The config file at ``path`` as a dict (its model path made absolute), without the
-    key ``drop`` and with ``draft_dtype`` set if given."""
+def _edited_config(
+    path: str, drop: str | None = None, draft_dtype: str | None = None, **overrides
+) -> dict:
+    """The config file at ``path`` as a dict (its model and sizing-profile paths made
+    absolute), without the key ``drop``, with ``draft_dtype`` set if given and the keys ``overrides`` set."""
     import yaml
 
     path = Path(path).resolve()
     config = yaml.safe_load(path.read_text())
     config.pop(drop, None)
+    config.update(overrides)
     if draft_dtype:
         config["draft_dtype"] = draft_dtype
     config["model"] = str((path.parent / config["model"]).resolve())
+    if "sizing_profile" in config:  # relative to the file, as a config file's paths are
+        config["sizing_profile"] = str((path.parent / config["sizing_profile"]).resolve())
     return config
 
 
@@ -216,6 +222,12 @@ def build_engine(system: str, args, **kwargs):
         from eagle_vllm import LLM
 
         config = _edited_config(args.auto_config, drop="suffix", draft_dtype=draft_dtype)
+        return LLM(args.target, speculative_config=config, **kwargs)
+    if system == "eagle2-auto-nocontext":  # --auto-config without the context vocabulary
+        from eagle_vllm import LLM
+
+        config = _edited_config(args.auto_config, draft_dtype=draft_dtype,
+                                draft_vocab_context=False)  # fmt: skip
         return LLM(args.target, speculative_config=config, **kwargs)
     if system in PLUGIN_SYSTEMS or system in PINS:
         from eagle_vllm import LLM

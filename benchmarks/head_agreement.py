@@ -22,6 +22,11 @@ its ``draft_vocab.json`` as the shipped configs serve it (``draft_vocab: 4096``)
 depth-1 agreement over 80 MT-bench answers (about 10K positions, paired across heads) is
 a minute's comparison of two heads where an engine A/B takes a quarter of an hour.
 
+``--context-vocab`` also scores each EAGLE-1 head drafting as the shipped configs do by
+default (``draft_vocab_context``; rows marked ``+context``): over the ``--draft-vocab``
+frequent tokens plus every token of the conversation before the drafted one (prompt and
+answer so far).
+
 ``--int8 engine,engine+fc,engine+head,engine-7bit`` also scores each EAGLE-1 head with
 GEMMs in int8 (``draft_dtype: int8``, ``models/draft_precision.py``): ``engine`` as the
 plugin runs it (the decoder layer in int8, the feature fc and the LM head in float),
@@ -116,13 +121,20 @@ def _int8_head(model, variant: str) -> None:
 
 
 def score_eagle1_head(
-    target: str, head: Path, examples: list, work: Path, draft_vocab: int, int8: str = ""
+    target: str,
+    head: Path,
+    examples: list,
+    work: Path,
+    draft_vocab: int,
+    int8: str = "",
+    context: bool = False,
 ) -> dict:
     """Depth-1 agreement of EAGLE-1 ``head`` over the answer positions of ``examples``: its
     argmax over its first ``draft_vocab`` tokens (0: all) against the target's next token
     (``val_acc_1``), and how often that token is among its ``RECALL_TOPK`` best
     (``recall_top3``: what a one-pass tree of 3 drafts can accept). ``int8``: one of
-    ``INT8_VARIANTS`` (the head's GEMMs in int8), or empty."""
+    ``INT8_VARIANTS`` (the head's GEMMs in int8), or empty. ``context``: each position
+    also drafts the tokens of the conversation before the drafted one."""
     import torch
 
     from eagle_vllm.train.trainer import TrainConfig, Trainer
@@ -152,11 +164,24 @@ def score_eagle1_head(
             rows = torch.arange(tokens_in.shape[1])
             f_hat = trainer.model(trainer.embed[tokens_in], feats_in, rows[None])[0]
             scored = ex.loss_mask[1:-1]
-            drafted = vocab[logits_of(f_hat[scored]).topk(RECALL_TOPK, dim=-1).indices]
             wanted = ids[2:][scored]
+            if context:  # row i drafts token i+2 over the vocabulary and tokens 0..i+1
+                rows_at = torch.nonzero(scored).flatten()
+                allowed = torch.zeros(len(rows_at), len(trainer.target_lm_head),
+                                      dtype=torch.bool)  # fmt: skip
+                allowed[:, vocab] = True
+                earlier = torch.arange(len(ids))[None, :] < rows_at[:, None] + 2
+                row, col = torch.nonzero(earlier, as_tuple=True)
+                allowed[row, ids[col]] = True
+                logits = f_hat[scored] @ trainer.target_lm_head.T
+                top = logits.masked_fill(~allowed, float("-inf")).topk(RECALL_TOPK, dim=-1)
+                drafted = top.indices
+                in_vocab += int(allowed.gather(1, wanted[:, None]).sum())
+            else:
+                drafted = vocab[logits_of(f_hat[scored]).topk(RECALL_TOPK, dim=-1).indices]
+                in_vocab += int(torch.isin(wanted, vocab).sum())
             agree += int((drafted[:, 0] == wanted).sum())
             recalled += int((drafted == wanted[:, None]).any(-1).sum())
-            in_vocab += int(torch.isin(wanted, vocab).sum())
             positions += int(scored.sum())
     return {
         "in_vocab": in_vocab / positions,
@@ -174,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated EAGLE-1 or EAGLE-3 head folders")  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="EAGLE-1 heads draft over this many tokens (0: all)")  # fmt: skip
+    p.add_argument("--context-vocab", action="store_true",
+                   help="EAGLE-1 heads also draft every earlier token of the conversation")  # fmt: skip
     p.add_argument("--datasets", default="mtbench,humaneval")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -191,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     int8 = [v for v in args.int8.split(",") if v]
     if unknown := [v for v in int8 if v not in INT8_VARIANTS]:
         raise SystemExit(f"error: --int8: unknown {unknown}; use {', '.join(INT8_VARIANTS)}")
+    if args.context_vocab and any(INT8_VARIANTS[v][1] for v in int8):
+        raise SystemExit("error: --context-vocab scores the LM head in float; drop engine+head")
     layers_of = {h: head_layers(h) for h in heads}
     import torch
 
@@ -214,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
             examples = load_features(cache)
             for head in (h for h in heads if layers_of[h] == layers):
                 scratch = Path(args.work) / ("scratch" if layers else "scratch-eagle1")
-                variants = [""] + (int8 if layers is None else [])
-                for variant in variants:
+                variants = [("", False)]
+                if layers is None:
+                    variants += [(v, False) for v in int8]
+                    variants += [("", True)] if args.context_vocab else []
+                for variant, context in variants:
                     if layers is None:
                         scores = score_eagle1_head(args.target, head, examples, scratch,
-                                                   args.draft_vocab, variant)  # fmt: skip
+                                                   args.draft_vocab, variant, context)  # fmt: skip
                     else:
                         scores = score_head(args.target, head, examples, scratch)
                     name = f"{head} (int8 {variant})" if variant else str(head)
+                    name += " (+context)" if context else ""
                     row = {"dataset": dataset, "head": name,
                            "tokens": sum(len(a) for _, a in answers), **scores}  # fmt: skip
                     rows.append(row)
@@ -236,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.prompts} prompts, {args.max_tokens} tokens); acc at unrolled step s over "
             "answer positions whose target token the head can draft; in vocab: their share. "
             f"EAGLE-1 heads: step 1 only, over all answer positions, drafting over "
-            f"{args.draft_vocab or 'all'} tokens, with how often the target's token is among "
+            f"{args.draft_vocab or 'all'} tokens (+context: and every earlier token of the "
+            "conversation), with how often the target's token is among "
             "the head's 3 best (what a one-pass tree of 3 drafts can accept).",
             "",
             "| dataset | head | tokens | in vocab | acc step 1, 2, 3, 4 | acc x in vocab, step 1 |",

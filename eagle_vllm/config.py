@@ -111,6 +111,9 @@ class EagleSpecConfig:
     draft_sample_method: str = "greedy"
     # Draft over the N most frequent tokens (0: the full vocabulary). See draft_vocab key.
     draft_vocab: int = 0
+    # With draft_vocab: also draft every token of the request's own context (prompt and
+    # output so far); drafting/context_vocab.py. See the draft_vocab_context key.
+    draft_vocab_context: bool = False
     # total_tokens: auto. Each step's tree (draft passes and nodes, possibly none) is
     # chosen by eagle_vllm/sizing/; num_speculative_tokens and total_tokens are the maxima.
     auto_size: bool = False
@@ -205,6 +208,9 @@ _ALLOWED_KEYS = {
     "draft_sample_method": (str,),
     # "auto": the head's draft_vocab.json if it has one; "full"; or N most frequent
     "draft_vocab": (str, int),
+    # with a reduced draft_vocab, also draft the tokens of each request's own context
+    # (default: on wherever draft_vocab reduces the vocabulary)
+    "draft_vocab_context": (bool,),
     # total_tokens: auto: a JSON file written by `eagle-vllm calibrate`
     "sizing_profile": (str, os.PathLike),
     # model-free suffix-tree candidates (SuffixConfig, SUFFIX_KEYS)
@@ -328,7 +334,9 @@ def parse_speculative_config(
             f"remove it; the allowed keys are {sorted(_ALLOWED_KEYS)}",
         )
     for key, types in _ALLOWED_KEYS.items():
-        if key in data and (not isinstance(data[key], types) or isinstance(data[key], bool)):
+        if key in data and (
+            not isinstance(data[key], types) or (isinstance(data[key], bool) and bool not in types)
+        ):
             raise _fail(
                 key,
                 f"expected {' or '.join(t.__name__ for t in types)}, "
@@ -474,12 +482,14 @@ def parse_speculative_config(
             "use method 'eagle' (the chain runs either head type) or an EAGLE-3 checkpoint",
         )
     draft_vocab = _resolve_draft_vocab(data.get("draft_vocab", "auto"), info)
+    draft_vocab_context = _resolve_draft_vocab_context(data.get("draft_vocab_context"), draft_vocab)
     draft_dtype = data.get("draft_dtype", "model")
     check_draft_dtype(draft_dtype, on_cpu=not _has_cuda())
     cfg = EagleSpecConfig(
         draft_dtype=draft_dtype,
         head_type=info.head_type,
         draft_vocab=draft_vocab,
+        draft_vocab_context=draft_vocab_context,
         method=method,
         model=str(model_path),
         num_speculative_tokens=depth,
@@ -552,6 +562,7 @@ def _parse_model_free(data: dict[str, Any], suffix: SuffixConfig | None,
         ("sizing_profile", "drop it: method 'suffix' has no load-aware sizing"),
         ("draft_sample_method", "drop it: suffix drafts are deterministic"),
         ("draft_vocab", "drop it: there is no head"),
+        ("draft_vocab_context", "drop it: there is no head"),
         ("draft_dtype", "drop it: there is no head"),
     ):  # fmt: skip
         if key in data:
@@ -627,6 +638,21 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _resolve_draft_vocab_context(value: bool | None, draft_vocab: int) -> bool:
+    """On by default wherever the head drafts a reduced vocabulary; ``true`` needs one."""
+    if value is None:
+        return draft_vocab > 0
+    if value and draft_vocab == 0:
+        raise _fail(
+            "draft_vocab_context",
+            "adds each request's own tokens to a reduced draft vocabulary, and this head "
+            "drafts a full one (draft_vocab resolved to 'full', or an EAGLE-3 head's own d2t "
+            "vocabulary)",
+            "drop draft_vocab_context, or set draft_vocab: N on a head with a draft_vocab.json",
+        )
+    return value
 
 
 def _resolve_draft_vocab(value: str | int, info) -> int:
@@ -736,5 +762,5 @@ def is_eagle_vllm_request(spec: Any) -> bool:
             "topk", "total_tokens", "max_total_tokens", "draft_sample_method", "sizing_profile",
             "suffix",
         }  # fmt: skip
-        return bool((plugin_only | {"draft_vocab"}) & set(spec))
+        return bool((plugin_only | {"draft_vocab", "draft_vocab_context"}) & set(spec))
     return False

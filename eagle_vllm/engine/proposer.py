@@ -18,6 +18,9 @@ One code path serves both methods; a chain is a tree with ``topk = 1``. ``propos
    from the paged cache, or gathered where the platform cannot) plus their own tree
    ancestors, held in memory, so tree nodes never write into the paged cache and
    cannot overwrite prefix KV.
+   Each pass's draft distribution covers the head's drafting vocabulary: with
+   ``draft_vocab: N``, the N most frequent tokens plus, per request, the tokens of its
+   own context (``draft_vocab_context``, ``drafting/context_vocab.py``).
 3. **Rerank** to the step's planned number of nodes; the flat node tokens (parents
    first) go to vLLM's scheduler as the request's draft tokens, and the trees to the
    ``StepState`` (``drafted``), which the next step verifies. With a ``suffix:``
@@ -38,6 +41,7 @@ from eagle_vllm import vllm_surface
 from eagle_vllm.attention.platform import TreePlatform
 from eagle_vllm.attention.reference import prefix_tree_attention
 from eagle_vllm.config import EagleSpecConfig
+from eagle_vllm.drafting.context_vocab import ContextVocabulary
 from eagle_vllm.engine.step import DraftedTrees, StepBound, StepState
 from eagle_vllm.engine.suffix_drafts import merge_drafts
 from eagle_vllm.models.eagle3_llama import ARCHITECTURE3
@@ -247,6 +251,10 @@ class EagleTreeProposer(StepBound, EagleProposer):
         # the platform's in-place attention per draft layer (None: not resolved yet)
         self._in_place_attends: list | None = None
         self._causal_masks: dict[int, torch.Tensor] = {}
+        # each request's own tokens beside the reduced draft vocabulary (None: not used),
+        # and this step's extra LM-head columns (token ids, rows, [B, E] allowed)
+        self.context_vocab: ContextVocabulary | None = None
+        self._context_columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -269,6 +277,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
             ids = load_draft_vocab(self.eagle_config.model)[: self.eagle_config.draft_vocab]
             self.model.use_draft_vocab(ids)
+            if self.eagle_config.draft_vocab_context:
+                self.context_vocab = ContextVocabulary(self.model.config.vocab_size, ids)
 
     def draft_layers(self) -> list[nn.Module]:
         return list(self.model.model.layers)
@@ -312,16 +322,20 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
         req_ids = step.req_ids[:batch_size]
         temperatures = self._sampling_temperatures(req_ids, sampling_metadata, step)
-        tree, draft_q, q_token_ids = self.draft_tree(
-            root_tokens=next_token_ids[:batch_size].to(torch.int64),
-            root_hidden=root_hidden,
-            root_last_hidden=root_last_hidden,  # the LM head runs here
-            root_positions=root_positions,
-            block_table=common_attn_metadata.block_table_tensor[:batch_size],
-            nodes=nodes,
-            passes=passes,
-            temperatures=temperatures,
-        )
+        self._context_columns = self._step_context_columns(req_ids)
+        try:
+            tree, draft_q, q_token_ids = self.draft_tree(
+                root_tokens=next_token_ids[:batch_size].to(torch.int64),
+                root_hidden=root_hidden,
+                root_last_hidden=root_last_hidden,  # the LM head runs here
+                root_positions=root_positions,
+                block_table=common_attn_metadata.block_table_tensor[:batch_size],
+                nodes=nodes,
+                passes=passes,
+                temperatures=temperatures,
+            )
+        finally:
+            self._context_columns = None
         step.drafted_size = (passes, nodes)
         suffix = step.suffix_candidates
         if suffix is not None and temperatures is not None:  # sampled chains stay draws from q
@@ -605,10 +619,32 @@ class EagleTreeProposer(StepBound, EagleProposer):
         finally:
             attention.o_proj, layer.mlp = o_proj, mlp
 
+    def _step_context_columns(self, req_ids: list[str]):
+        """This step's extra draft columns for the requests' own tokens: (token ids [E],
+        LM-head rows [E, H], allowed [B, E]), or None (none used, or none to add). The
+        rows are gathered once a step; every pass reads them."""
+        if self.context_vocab is None:
+            return None
+        extra, allowed = self.context_vocab.columns(req_ids)
+        if extra.numel() == 0:
+            return None
+        rows = self.model.lm_head_rows(extra)
+        device = rows.device
+        return extra.to(device), rows, allowed.to(device)
+
     def _draft_logprobs(self, hidden: torch.Tensor, width: int):
-        """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids."""
+        """[B, width, V'] draft log-probs over the drafting vocabulary, and its token ids:
+        the head's (reduced) vocabulary, then this step's context columns, each masked
+        out of the rows of requests that have not seen that token."""
         logits, token_ids = self.model.draft_logits(hidden)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.float()
+        if self._context_columns is not None and token_ids is not None:
+            extra, rows, allowed = self._context_columns
+            context = torch.nn.functional.linear(hidden.to(rows.dtype), rows).float()
+            own = allowed.repeat_interleave(width, dim=0)  # [B * width, E]
+            logits = torch.cat([logits, context.masked_fill(~own, float("-inf"))], dim=-1)
+            token_ids = torch.cat([token_ids, extra])
+        logprobs = torch.log_softmax(logits, dim=-1)
         return logprobs.view(-1, width, logprobs.shape[-1]), token_ids
 
     def _prefix_attention_shims(

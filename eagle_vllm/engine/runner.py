@@ -124,6 +124,9 @@ class EagleCPUModelRunner(CPUModelRunner):
         )
         if self.deferred:
             self._catch_up_leaving(scheduler_output)
+        context = getattr(self.drafter, "context_vocab", None) if self.eagle_config else None
+        if context is not None and scheduler_output.finished_req_ids:
+            context.forget(scheduler_output.finished_req_ids)
         if self.suffix is not None:
             self.suffix.note_scheduled(scheduler_output)
         with self.timings.phase("execute_model") as clock:
@@ -332,6 +335,8 @@ class EagleCPUModelRunner(CPUModelRunner):
                         if (p := self.requests[r].sampling_params) is not None
                         and p.structured_outputs is not None
                     )  # fmt: skip
+                if step.planned_size[0] > 0:
+                    self._sync_context_vocab(step.req_ids)
                 if self.suffix is not None and step.planned_size[0] > 0:
                     step.suffix_candidates = self.suffix.propose(step.req_ids)
                     step.source_calibration = self.suffix.calibration.factors()
@@ -358,6 +363,17 @@ class EagleCPUModelRunner(CPUModelRunner):
         else:
             new = vs.step_new_tokens(self, sampled_token_ids)
             self.suffix.sync(req_ids, self.requests, new, output_has_new=False)
+
+    def _sync_context_vocab(self, req_ids: list[str]) -> None:
+        """Add the batch's new prompt and output tokens to the drafter's per-request token
+        sets (``draft_vocab_context``). Read from vLLM's request state, so a request's
+        tokens of this very step join at its next drafting step."""
+        context = getattr(self.drafter, "context_vocab", None)
+        if context is None:
+            return
+        for req_id in req_ids:
+            prompt_ids, output_ids, _ = vs.request_text(self.requests[req_id])
+            context.sync(req_id, prompt_ids, output_ids)
 
     def _plan_size(self) -> tuple[int, int]:
         """(draft passes, tree nodes) for the next step: the sizer's choice (rank 0's,

@@ -24,8 +24,10 @@ class DraftVocabMixin:
     draft_vocab_ids: torch.Tensor | None = None
     _draft_head_gemm = None
 
-    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft over ``token_ids`` only; the LM-head rows are copied (replicated on TP ranks)."""
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the LM head's rows of ``token_ids`` ``[n, H]``, whole on every rank:
+        under tensor parallelism each rank holds a slice of the vocabulary, so the rows
+        are summed over ranks (one all-reduce; every rank must ask for the same ids)."""
         from vllm.distributed import get_tensor_model_parallel_world_size
         from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
 
@@ -37,6 +39,12 @@ class DraftVocabMixin:
         rows[local] = weight[ids[local] - shard.org_vocab_start_index].detach()
         if get_tensor_model_parallel_world_size() > 1:
             rows = all_reduce(rows)  # each row is non-zero on exactly one rank
+        return rows
+
+    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over ``token_ids`` only; the LM-head rows are copied (replicated on TP ranks)."""
+        ids = token_ids.to(device=self.lm_head.weight.device, dtype=torch.int64)
+        rows = self.lm_head_rows(ids)
         # in the draft's GEMM dtype if it is a float one (int8 leaves the LM head alone)
         bf16 = self.gemm_dtype is not None and self.gemm_dtype.is_floating_point
         self.draft_lm_head = rows.to(self.gemm_dtype) if bf16 else rows

@@ -203,6 +203,12 @@ def run(args: argparse.Namespace) -> Path:
             f"the target's LM head, not with --arch {args.arch}. "
             "Fix: --arch eagle3 (an EAGLE-1 head always shares it)."
         )
+    if args.keep_init_vocab and (args.arch != "eagle1" or not args.init_from):
+        raise SystemExit(
+            "error: --keep-init-vocab keeps the draft vocabulary of an EAGLE-1 head's "
+            "--init-from. Fix: add --init-from HEAD (with --arch eagle1; an EAGLE-3 warm "
+            "start always keeps its d2t), or drop --keep-init-vocab."
+        )
     from eagle_vllm.train.eagle3 import check_lm_head_options
 
     try:

@@ -96,6 +96,12 @@ class TrainConfig:
     # a warm start: the weights of an exported head of the same kind (a new optimiser and
     # schedule); "" = the usual initialisation
     init_from: str = ""
+    # EAGLE-1, with init_from: keep that head's draft vocabulary (its draft_vocab.json
+    # ranking, which a config's draft_vocab: N serves the first N of) instead of ranking
+    # this run's data, so that training on over other data (e.g. task answers only) does
+    # not move the served tokens away from what the earlier data taught. EAGLE-3 warm
+    # starts always keep theirs (their d2t).
+    keep_init_vocab: bool = False
 
 
 def load_target_embeddings(target: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -270,10 +276,42 @@ class Trainer:
 
     def draft_vocabulary(self, vocab_size: int) -> torch.Tensor:
         """Target ids the draft's loss covers: the ``ce_vocab`` most frequent assistant
-        tokens of the training split, or the whole vocabulary."""
+        tokens of the training split (with ``keep_init_vocab``, the warm start's ranking),
+        or the whole vocabulary."""
+        if self.cfg.keep_init_vocab:
+            return self.init_vocabulary(vocab_size)
         if self.cfg.ce_vocab and self.cfg.ce_vocab < vocab_size:
             return frequent_tokens(self.train, vocab_size, self.cfg.ce_vocab)
         return torch.arange(vocab_size)
+
+    def init_vocabulary(self, vocab_size: int) -> torch.Tensor:
+        """The ``--init-from`` head's ranked draft vocabulary (its draft_vocab.json; none:
+        the whole vocabulary), which must be as long as this run's ``ce_vocab``."""
+        from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
+
+        if not self.cfg.init_from:
+            raise ValueError(
+                "--keep-init-vocab keeps the --init-from head's draft vocabulary. "
+                "Fix: add --init-from HEAD, or drop --keep-init-vocab."
+            )
+        path = Path(self.cfg.init_from) / DRAFT_VOCAB_FILE
+        if path.is_file():
+            ids = torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.int64)
+        else:
+            ids = torch.arange(vocab_size)
+        wanted = self.cfg.ce_vocab if 0 < self.cfg.ce_vocab < vocab_size else vocab_size
+        if len(ids) != wanted:
+            raise ValueError(
+                f"--keep-init-vocab: '{self.cfg.init_from}' ranks {len(ids)} tokens, this run "
+                f"--ce-vocab {self.cfg.ce_vocab} (0: the whole vocabulary). Fix: pass "
+                f"--ce-vocab {len(ids) if len(ids) < vocab_size else 0}."
+            )
+        if int(ids.max()) >= vocab_size:
+            raise ValueError(
+                f"--keep-init-vocab: '{path}' holds token ids beyond the target's "
+                f"vocabulary of {vocab_size}. Fix: warm-start from a head of this target."
+            )
+        return ids
 
     def build_model(self) -> torch.nn.Module:
         return EagleHead(self.target_config, fc_bias=self.cfg.fc_bias)

@@ -75,7 +75,8 @@ def test_full_coverage_subset_keeps_the_oracle_exact(tiny, ranked_draft, vanilla
 def test_half_vocabulary_drafts_only_inside_it_and_stays_exact(tiny, ranked_draft, vanilla):
     draft, ranked = ranked_draft
     half = 127
-    got, metrics = _run(tiny, draft, method="eagle", num_speculative_tokens=K, draft_vocab=half)
+    got, metrics = _run(tiny, draft, method="eagle", num_speculative_tokens=K, draft_vocab=half,
+                        draft_vocab_context=False)  # fmt: skip
     assert got == vanilla
     # Position 1's draft comes from the target's own feature, so it is accepted
     # exactly when the target's next token lies in the subset.
@@ -86,6 +87,14 @@ def test_half_vocabulary_drafts_only_inside_it_and_stays_exact(tiny, ranked_draf
     assert per_pos[0] < metrics["num_drafts"]
     covered = sum(t in inside for seq in vanilla for t in seq) / sum(map(len, vanilla))
     assert 0.2 < covered < 0.8  # the subset really cuts through the outputs
+
+    # Each request's own tokens beside the half (the default): a token outside it is
+    # drafted once the request has seen it, so more is accepted, and the output is the
+    # same.
+    got, with_context = _run(tiny, draft, method="eagle", num_speculative_tokens=K,
+                             draft_vocab=half)  # fmt: skip
+    assert got == vanilla
+    assert mean_acceptance_length(with_context) > tau + 0.1, (with_context, metrics)
 
 
 def test_tree_with_small_draft_vocab_stays_exact(tiny, ranked_draft, vanilla):

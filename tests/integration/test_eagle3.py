@@ -177,7 +177,9 @@ def test_shared_lm_head_eagle3_drafts_over_its_ranked_draft_vocab(
     """``draft_vocab: N`` on a head that shares the target's LM head drafts over the first
     N tokens of its draft_vocab.json only: ranked with every token the target writes first,
     it keeps the full head's acceptance; ranked with those last (N = the rest), no draft
-    can be accepted. Both stay exact."""
+    can be accepted, until each request's own tokens join the drafting vocabulary
+    (``draft_vocab_context``): then the tokens it wrote before are drafted again. All
+    stay exact."""
     import json
     import shutil
 
@@ -185,18 +187,20 @@ def test_shared_lm_head_eagle3_drafts_over_its_ranked_draft_vocab(
     written = sorted({t for out in vanilla_greedy for t in out})
     others = sorted(set(range(vocab)) - set(written))
     taus = {}
-    for name, ranked, n in (("written", written + others, len(written)),
-                            ("others", others + written, len(others))):  # fmt: skip
+    for name, ranked, n, context in (("written", written + others, len(written), False),
+                                     ("others", others + written, len(others), False),
+                                     ("others+context", others + written, len(others), True)):  # fmt: skip
         head = tmp_path / name
         shutil.copytree(heads["shared_oracle2"], head)
         (head / "draft_vocab.json").write_text(json.dumps({"token_ids": ranked}))
-        llm = _eagle2(tiny, head, draft_vocab=n)
+        llm = _eagle2(tiny, head, draft_vocab=n, draft_vocab_context=context)
         try:
             assert token_ids(llm.generate(PROMPTS, greedy())) == vanilla_greedy, name
             taus[name] = mean_acceptance_length(spec_metrics(llm))
         finally:
             shutdown(llm)
     assert taus["written"] > 1.5 and taus["others"] == 1.0, taus
+    assert taus["others+context"] > 1.2, taus
 
 
 def test_safeailab_eagle3_layout_loads_and_is_exact(tiny, heads, vanilla_greedy):

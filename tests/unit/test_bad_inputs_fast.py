@@ -307,6 +307,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "total_tokens": "12",
         "draft_sample_method": "greedy",
         "draft_vocab": "0",
+        "draft_vocab_context": "False",
         "auto_size": "False",
         "sizing_profile": "None",
         "suffix": "None",

@@ -608,6 +608,29 @@ def test_draft_vocab_auto_full_and_number(models, tmp_path):
     assert is_eagle_vllm_request({"method": "eagle", "draft_vocab": "full"})
 
 
+def test_draft_vocab_context_is_on_wherever_the_vocabulary_is_reduced(models, tmp_path):
+    draft = _with_draft_vocab(models, tmp_path, list(range(100, 0, -1)))
+    base = {"method": "eagle", "model": str(draft)}
+    assert parse_speculative_config(base).draft_vocab_context  # auto: reduced, so on
+    assert parse_speculative_config({**base, "draft_vocab": 40}).draft_vocab_context
+    assert not parse_speculative_config({**base, "draft_vocab_context": False}).draft_vocab_context
+    assert not parse_speculative_config({**base, "draft_vocab": "full"}).draft_vocab_context
+    with pytest.raises(EagleConfigError, match="'draft_vocab_context'.*drafts a full one.*Fix"):
+        parse_speculative_config({**base, "draft_vocab": "full", "draft_vocab_context": True})
+    with pytest.raises(EagleConfigError, match="'draft_vocab_context'.*Fix"):  # no list at all
+        parse_speculative_config(
+            {"method": "eagle", "model": str(models["draft"]), "draft_vocab_context": True}
+        )
+    with pytest.raises(EagleConfigError, match="'draft_vocab_context': expected bool, got str"):
+        parse_speculative_config({**base, "draft_vocab_context": "yes"})
+    with pytest.raises(EagleConfigError, match="'draft_vocab_context'.*method 'suffix'"):
+        parse_speculative_config({"method": "suffix", "draft_vocab_context": False})
+    assert is_eagle_vllm_request({"method": "eagle", "draft_vocab_context": False})
+    # the other keys still refuse booleans
+    with pytest.raises(EagleConfigError, match="'topk': expected int, got bool"):
+        parse_speculative_config({**base, "method": "eagle2", "topk": True})
+
+
 def test_draft_dtype_values_and_the_cpus_that_can_take_bfloat16(models, monkeypatch):
     import eagle_vllm.config as config_module
     from eagle_vllm.config import resolve_draft_dtype

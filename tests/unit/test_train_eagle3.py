@@ -670,6 +670,41 @@ def test_warm_start_of_an_eagle1_head(tmp_path):
         torch.testing.assert_close(second.model.state_dict()[key], value, atol=0, rtol=0)
 
 
+def test_eagle1_warm_start_can_keep_the_draft_vocabulary_over_other_data(tmp_path):
+    """--keep-init-vocab: an EAGLE-1 run over other data keeps the warm start's ranked
+    draft vocabulary (the served draft_vocab: N is its first N), exports it unchanged, and
+    refuses a ranking of another length; without it the new data's ranking is taken."""
+    from tiny_models import build_target
+
+    from eagle_vllm.models.checkpoint import DRAFT_VOCAB_FILE
+    from eagle_vllm.train.features import Example
+    from eagle_vllm.train.trainer import TrainConfig, Trainer
+
+    target = build_target(tmp_path / "t", layers=2)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    old_data = [Example(e.input_ids, e.loss_mask, e.hidden) for e in _synthetic_examples(hidden)]
+    new_data = [Example((e.input_ids + 97) % 250 + 4, e.loss_mask, e.hidden)
+                for e in _synthetic_examples(hidden, seed=1)]  # fmt: skip
+    cfg = TrainConfig(max_steps=1, warmup_steps=1, tokens_per_batch=120, ce_vocab=64)
+    first = Trainer(target, old_data, tmp_path / "first", cfg)
+    first.export("float32")
+    ranked = json.loads((first.out / DRAFT_VOCAB_FILE).read_text())["token_ids"]
+
+    warm = {**cfg.__dict__, "init_from": str(first.out)}
+    moved = Trainer(target, new_data, tmp_path / "moved", TrainConfig(**warm))
+    assert moved.vocab_ids.tolist() != ranked  # the new data ranks other tokens first
+    kept = Trainer(target, new_data, tmp_path / "kept",
+                   TrainConfig(**{**warm, "keep_init_vocab": True}))  # fmt: skip
+    assert kept.vocab_ids.tolist() == ranked
+    kept.export("float32")
+    assert json.loads((kept.out / DRAFT_VOCAB_FILE).read_text())["token_ids"] == ranked
+    for key, value in first.model.state_dict().items():  # the warm start itself
+        torch.testing.assert_close(kept.model.state_dict()[key], value, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="ranks 64 tokens.*Fix: pass --ce-vocab 64"):
+        Trainer(target, new_data, tmp_path / "v",
+                TrainConfig(**{**warm, "keep_init_vocab": True, "ce_vocab": 32}))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -679,6 +714,8 @@ def test_warm_start_of_an_eagle1_head(tmp_path):
         (["--share-lm-head", "--arch", "eagle3", "--ce-vocab", "64"], "--share-lm-head.*Fix"),
         (["--share-lm-head"], "--share-lm-head.*--arch eagle1.*Fix"),
         (["--lm-head-sample", "8192"], "--lm-head-sample 8192.*Fix: add --share-lm-head"),
+        (["--keep-init-vocab"], "--keep-init-vocab.*Fix: add --init-from"),
+        (["--keep-init-vocab", "--init-from", "h", "--arch", "eagle3"], "--keep-init-vocab.*Fix"),
     ],
 )
 def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
