@@ -15,6 +15,11 @@ Systems (``--systems``; ``e1`` = ``--eagle1-head``, ``e3`` = ``--eagle3-head``):
 (3 draft passes, top-4, 8 nodes), ``e1-tree4x16`` / ``e3-tree4x16`` (4 passes, top-4, 16
 nodes). At T=1 every chain drafts argmax tokens, as vLLM's does, so the heads compare
 alike; the plugin's default for chains at T>0 (drafts sampled from q) is bench.py's.
+
+The plugin's systems draft over the head's default vocabulary (``draft_vocab: auto``,
+with each request's own tokens beside a reduced one) unless ``--draft-vocab N`` (the
+shipped configs' 4096) or ``--no-context-vocab`` (``draft_vocab_context: false``) say
+otherwise; rows record the speculative config they ran.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ SHAPES = {  # name -> (method, depth, topk, total_tokens)
 SYSTEMS = [f"{head}-{shape}" for head in ("e1", "e3") for shape in SHAPES] + ["vllm-e3-chain3"]
 
 
-def system_spec(name: str, heads: dict[str, str]) -> tuple[bool, dict]:
-    """(stock vLLM?, speculative config) of a named system."""
+def system_spec(name: str, heads: dict[str, str], plugin_keys: dict | None = None
+                ) -> tuple[bool, dict]:  # fmt: skip
+    """(stock vLLM?, speculative config) of a named system; ``plugin_keys`` are added to
+    the plugin's systems' configs."""
     if name == "vllm-e3-chain3":
         return True, {"method": "eagle3", "model": heads["e3"], "num_speculative_tokens": 3}
     head, _, shape = name.partition("-")
@@ -51,7 +58,7 @@ def system_spec(name: str, heads: dict[str, str]) -> tuple[bool, dict]:
         spec.update(topk=topk, total_tokens=total)
     else:
         spec.update(draft_sample_method="greedy")
-    return False, spec
+    return False, {**spec, **(plugin_keys or {})}
 
 
 def run_worker(args) -> None:
@@ -128,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-vocab", default=None,
+                   help="the plugin's systems' draft_vocab (auto, full or N; default: auto)")  # fmt: skip
+    p.add_argument("--no-context-vocab", action="store_true",
+                   help="the plugin's systems with draft_vocab_context: false")  # fmt: skip
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md (rows as they finish)")
     p.add_argument(
         "--update",
@@ -144,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args)
         return 0
     heads = {"e1": args.eagle1_head, "e3": args.eagle3_head}
+    plugin_keys = {}
+    if args.draft_vocab is not None:
+        value = args.draft_vocab
+        plugin_keys["draft_vocab"] = int(value) if value.isdigit() else value
+    if args.no_context_vocab:
+        plugin_keys["draft_vocab_context"] = False
     command = " ".join(["python benchmarks/head_tau.py", *(argv or sys.argv[1:])])
     rows: list[dict] = []
     legacy, legacy_rows = [], False
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.systems.split(","):
         if name not in SYSTEMS:
             raise SystemExit(f"error: unknown system '{name}' (use {', '.join(SYSTEMS)})")
-        spec = system_spec(name, heads)
+        spec = system_spec(name, heads, plugin_keys)
         for dataset in args.datasets.split(","):
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 cmd = [sys.executable, __file__, "--target", args.target, "--prompts",
