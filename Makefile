@@ -11,7 +11,7 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -142,6 +142,30 @@ reference-head:
 		--feature-dtype bfloat16 --max-steps 1500 --lr 3e-4 --warmup-steps 20 --eval-every 250 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+
+# A fourth stage for the reference head, not committed until it measures better: the
+# committed head (stage 3, copied to REF_HEAD_STAGE3) warm-started on SmolLM2's answers
+# to evals prompts 7872-13472 (E3_EVALS3_FEATURES: 5600 prompts, 2.09M tokens, extracted
+# here first if missing, about 50 minutes on 2 cores, resumable), keeping the committed
+# head's ranked draft vocabulary (--keep-init-vocab: this data alone would rank task
+# answers' tokens first): 500 steps at lr 2e-4, validated on a split by prompt. Written
+# to artifacts/eagle1-stage4; benchmarks/head_agreement.py and head_tau.py judge it.
+REF_HEAD_STAGE3 := artifacts/eagle1-stage3
+E3_EVALS3_FEATURES := artifacts/eagle3-features-evals3
+EVALS3_ARGS = --features-dir $(E3_EVALS3_FEATURES) --val-split prompt \
+	--data evals --num-conversations 5600 --skip-conversations 7872 --max-len 2048 \
+	--regenerate --regenerate-turns all --regen-max-turns 1 --regen-parts-dir $(EVALS_DATA) \
+	--regen-parts-only --regen-dtype auto
+eagle1-stage4:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	test -f $(REF_HEAD_STAGE3)/model.safetensors || { mkdir -p $(REF_HEAD_STAGE3) && \
+		cp $(REF_HEAD)/config.json $(REF_HEAD)/model.safetensors $(REF_HEAD)/draft_vocab.json \
+		$(REF_HEAD_STAGE3)/; }
+	test -f $(E3_EVALS3_FEATURES)/meta.json || $(VENV)/bin/eagle-vllm train $(E3_TRAIN_ARGS) \
+		$(EVALS3_ARGS) --out artifacts/evals3-extract --max-steps 0
+	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out artifacts/eagle1-stage4 \
+		--init-from $(REF_HEAD_STAGE3) --keep-init-vocab $(EVALS3_ARGS) \
+		--feature-dtype bfloat16 --max-steps 500 --lr 2e-4 --warmup-steps 20 --eval-every 100
 
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in five stages, each
 # warm-started from the one before (--init-from: a new optimiser and schedule). Stages 1-3:
