@@ -59,6 +59,7 @@ from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta
 from eagle_vllm.train.trainer import (
     TrainConfig,
     Trainer,
+    check_init_vocab_size,
     feature_noise,
     frequent_tokens,
     write_draft_vocab,
@@ -491,13 +492,7 @@ class Eagle3Trainer(Trainer):
                 return super().draft_vocabulary(vocab_size)
             d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
         ids = torch.arange(vocab_size) if d2t is None else d2t + torch.arange(len(d2t))
-        wanted = self.cfg.ce_vocab if 0 < self.cfg.ce_vocab < vocab_size else vocab_size
-        if len(ids) != wanted:
-            raise ValueError(
-                f"--init-from '{self.cfg.init_from}' drafts {len(ids)} tokens, this run "
-                f"--ce-vocab {self.cfg.ce_vocab} (0: the whole vocabulary). Fix: pass "
-                f"--ce-vocab {len(ids) if len(ids) < vocab_size else 0}."
-            )
+        check_init_vocab_size(ids, self.cfg, vocab_size, "--init-from ", "drafts")
         return ids.to(torch.int64)
 
     def build_model(self) -> nn.Module:

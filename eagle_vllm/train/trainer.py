@@ -299,13 +299,7 @@ class Trainer:
             ids = torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.int64)
         else:
             ids = torch.arange(vocab_size)
-        wanted = self.cfg.ce_vocab if 0 < self.cfg.ce_vocab < vocab_size else vocab_size
-        if len(ids) != wanted:
-            raise ValueError(
-                f"--keep-init-vocab: '{self.cfg.init_from}' ranks {len(ids)} tokens, this run "
-                f"--ce-vocab {self.cfg.ce_vocab} (0: the whole vocabulary). Fix: pass "
-                f"--ce-vocab {len(ids) if len(ids) < vocab_size else 0}."
-            )
+        check_init_vocab_size(ids, self.cfg, vocab_size, "--keep-init-vocab: ", "ranks")
         if int(ids.max()) >= vocab_size:
             raise ValueError(
                 f"--keep-init-vocab: '{path}' holds token ids beyond the target's "
@@ -514,6 +508,20 @@ class Trainer:
             # the CE's token subset, ranked by frequency: the head's reduced draft vocabulary
             write_draft_vocab(self.out, self.vocab_ids)
         return self.out
+
+
+def check_init_vocab_size(
+    ids: torch.Tensor, cfg: TrainConfig, vocab_size: int, prefix: str, verb: str
+) -> None:
+    """A warm start's draft vocabulary ``ids`` must be as long as this run's ``ce_vocab``
+    (0 or at least the vocabulary: all of it)."""
+    wanted = cfg.ce_vocab if 0 < cfg.ce_vocab < vocab_size else vocab_size
+    if len(ids) != wanted:
+        raise ValueError(
+            f"{prefix}'{cfg.init_from}' {verb} {len(ids)} tokens, this run "
+            f"--ce-vocab {cfg.ce_vocab} (0: the whole vocabulary). Fix: pass "
+            f"--ce-vocab {len(ids) if len(ids) < vocab_size else 0}."
+        )
 
 
 def write_draft_vocab(out: Path, token_ids: torch.Tensor) -> None:
