@@ -150,6 +150,8 @@ reference-head:
 # head's ranked draft vocabulary (--keep-init-vocab: this data alone would rank task
 # answers' tokens first): 500 steps at lr 2e-4, validated on a split by prompt. Written
 # to artifacts/eagle1-stage4; benchmarks/head_agreement.py and head_tau.py judge it.
+# Measured: validation top-1 0.649 -> 0.690 on its split, but depth-1 agreement on the
+# evaluation prompts fell (benchmarks/results/head-agreement-eagle1-stage4-cpu.md).
 REF_HEAD_STAGE3 := artifacts/eagle1-stage3
 E3_EVALS3_FEATURES := artifacts/eagle3-features-evals3
 EVALS3_ARGS = --features-dir $(E3_EVALS3_FEATURES) --val-split prompt \
