@@ -587,14 +587,18 @@ drafter's parts are timed with wall clocks around them (ms per engine step):
   on), ``builder`` (the tree builder's steps and rerank) and ``tree_rest`` (what is left:
   masks, gathers);
 * ``merge``: the suffix candidates merged into the trees;
-* ``propose_rest``: the rest of ``propose``.
+* ``context_columns``: the step's extra draft columns for the requests' own tokens (the
+  union of their token sets, the LM-head rows gathered; ``draft_vocab_context``);
+* ``propose_rest``: the rest of ``propose``;
+* ``context_sync`` (before ``propose``, outside it): the requests' new tokens added to
+  their token sets.
 
 ``--ops N`` also profiles each arm once more with ``torch.profiler`` and prints the N ops
 that took the most self CPU time under each part of ``--ops-under`` (default ``propose``,
 the whole drafter), with their calls per step.
 """
 DRAFT_PARTS = ("propose", "first_pass", "draft_tree", "lm_head", "prefix_kv", "layers",
-               "builder", "merge")  # fmt: skip
+               "builder", "merge", "context_columns", "context_sync")  # fmt: skip
 
 
 def _time_drafter_parts(worker) -> bool:
@@ -626,6 +630,9 @@ def _time_drafter_parts(worker) -> bool:
     drafter.draft_tree = timed("draft_tree", drafter.draft_tree)
     drafter._draft_logprobs = timed("lm_head", drafter._draft_logprobs)
     drafter._prefix_attention_shims = timed("prefix_kv", drafter._prefix_attention_shims)
+    drafter._step_context_columns = timed("context_columns", drafter._step_context_columns)
+    runner = worker.model_runner
+    runner._sync_context_vocab = timed("context_sync", runner._sync_context_vocab)
     # the draft's layers count as ``layers`` in the tree passes, not in the first pass
     in_first_pass = [False]
     first_pass = timed("first_pass", drafter.first_pass)
@@ -727,7 +734,9 @@ def draft(args, argv: list[str] | None) -> int:
             ms["tree_rest"] = ms["draft_tree"] - sum(
                 ms[k] for k in ("lm_head", "prefix_kv", "layers", "builder")
             )
-            ms["propose_rest"] = ms["propose"] - ms["first_pass"] - ms["draft_tree"] - ms["merge"]
+            ms["propose_rest"] = ms["propose"] - sum(
+                ms[k] for k in ("first_pass", "draft_tree", "merge", "context_columns")
+            )
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             split = " ".join(f"{k}={v:.2f}" for k, v in ms.items())
             print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | {split}", flush=True)

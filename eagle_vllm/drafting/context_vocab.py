@@ -10,14 +10,24 @@ target from 0.446 to 0.467 (MT-bench) and 0.495 to 0.528 (HumanEval), within 0.0
 drafting the whole vocabulary, for a few hundred more LM-head rows
 (``benchmarks/results/head-agreement-context-cpu.md`` and ``-fullvocab-cpu.md``).
 
-This module keeps the token sets (pure torch, no vLLM): one boolean row over the
-vocabulary per request, updated with only the tokens added since the last call. A batch
-drafts over one set of extra columns, the union of its requests' tokens outside the
-frequent ones, and ``allowed`` says which of them each request may draft (its own
-context): the others are masked out of its distribution, so a request's drafts never
-depend on what the other requests in the batch wrote. Which columns a draft may use
-cannot affect losslessness: verification reads the target's distribution and the
-draft's q (zero outside the columns) or argmax.
+This module keeps the token sets (pure torch, no vLLM) and the columns drafts use, both
+updated by what changed since the last step, so that a step costs nearly nothing when no
+request met a new token:
+
+* each request's tokens outside the frequent ones, as a Python set (the new ones of a step
+  are a handful) and as a row of a ``[slots, V]`` boolean matrix (to gather whole rows);
+* one column table, append-only between compactions: every token some live request has
+  seen gets a column when it is first seen, so a step's LM-head rows are the previous
+  step's plus the new columns' (``columns`` says from which column they are new). A
+  finished request's tokens stay as dead columns until they outnumber the live ones and
+  the table is rebuilt.
+
+The columns are those of every request being tracked, a superset of the batch's own;
+``allowed`` says which of them each request of the batch may draft (its own context):
+the others are masked out of its distribution, so a request's drafts never depend on
+what other requests wrote. Which columns a draft may use cannot affect losslessness:
+verification reads the target's distribution and the draft's q (zero outside the
+columns) or argmax.
 """
 
 from __future__ import annotations
@@ -28,23 +38,45 @@ import torch
 
 __all__ = ["ContextVocabulary"]
 
+# dead columns tolerated before the table is rebuilt: at least this many, or as many as
+# the live ones (a rebuild makes the drafter gather every row again)
+MIN_DEAD_COLUMNS = 256
+
 
 class ContextVocabulary:
     """Per-request seen tokens over a vocabulary of ``vocab_size``, outside ``base_ids``.
 
-    ``sync`` adds each request's new prompt and output tokens; ``columns`` gives a batch's
-    extra token ids and which of them each request has seen; ``forget`` drops requests.
+    ``sync`` adds each request's new prompt and output tokens; ``columns`` gives the
+    extra token ids, which of them each request of a batch has seen, and from which
+    column they are new since the last call; ``forget`` drops requests.
     """
 
     def __init__(self, vocab_size: int, base_ids: torch.Tensor) -> None:
         self.vocab_size = int(vocab_size)
-        self.in_base = torch.zeros(self.vocab_size, dtype=torch.bool)
-        self.in_base[base_ids.to("cpu", torch.int64)] = True
-        # req id -> (seen tokens [V] bool, output tokens read so far)
-        self._seen: dict[str, tuple[torch.Tensor, int]] = {}
+        self._in_base = bytearray(self.vocab_size)  # read per token in Python
+        for token in base_ids.tolist():
+            self._in_base[token] = 1
+        self._tokens: dict[str, set[int]] = {}  # req id -> its tokens outside the base
+        self._read: dict[str, int] = {}  # req id -> output tokens read so far
+        self._slot: dict[str, int] = {}  # req id -> its row of ``_seen``
+        self._free_slots: list[int] = []
+        self._seen = torch.zeros(0, self.vocab_size, dtype=torch.bool)
+        self._pending: list[tuple[int, int]] = []  # (slot, token) not yet set in _seen
+        self._live = [0] * self.vocab_size  # how many tracked requests have seen a token
+        self._column_of: dict[int, int] = {}  # token -> its column
+        self._column_ids = torch.empty(0, dtype=torch.int64)  # the table (capacity)
+        self._num_columns = 0
+        self._dead_columns = 0
+        self._reported = 0  # columns ``columns`` has returned since the table was built
+        self._version = 0  # moves whenever a tracked request's tokens or the table change
+        self._allowed_cache: tuple[tuple, torch.Tensor] | None = None
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._tokens)
+
+    @property
+    def num_dead_columns(self) -> int:
+        return self._dead_columns
 
     def sync(self, req_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Add the request's tokens not read before: its prompt the first time, then the
@@ -52,44 +84,106 @@ class ContextVocabulary:
         and so are placeholders (< 0: vLLM's tokens not known yet, which it later deletes
         and appends the real ones after): reading stops at the first, so the tokens that
         replace it are read next time. A list that shrank is read on from its new end."""
-        entry = self._seen.get(req_id)
-        if entry is None:
-            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
-            self._mark(seen, prompt_ids)
-            read = 0
-        else:
-            seen, read = entry
-        read = min(read, len(output_ids))
-        new = output_ids[read:]
-        if len(new):
-            self._mark(seen, new)
-            placeholder = next((i for i, t in enumerate(new) if t < 0), len(new))
-            read += placeholder
-        self._seen[req_id] = (seen, read)
-
-    def _mark(self, seen: torch.Tensor, token_ids: Sequence[int]) -> None:
-        if len(token_ids) == 0:
+        tokens = self._tokens.get(req_id)
+        if tokens is None:
+            tokens = self._tokens[req_id] = set()
+            self._slot[req_id] = self._take_slot()
+            self._read[req_id] = 0
+            self._add(req_id, tokens, sorted(set(prompt_ids)))
+        read = min(self._read[req_id], len(output_ids))
+        if read == len(output_ids):
+            self._read[req_id] = read
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
-        seen[ids] = True
+        new = output_ids[read:]
+        placeholder = next((i for i, t in enumerate(new) if t < 0), len(new))
+        self._add(req_id, tokens, new[:placeholder])
+        self._read[req_id] = read + placeholder
+
+    def _add(self, req_id: str, tokens: set[int], token_ids: Sequence[int]) -> None:
+        in_base, vocab_size = self._in_base, self.vocab_size
+        slot = self._slot[req_id]
+        for token in token_ids:
+            if 0 <= token < vocab_size and not in_base[token] and token not in tokens:
+                tokens.add(token)
+                self._pending.append((slot, token))
+                self._live[token] += 1
+                column = self._column_of.get(token)
+                if column is None:
+                    self._append_column(token)
+                elif self._live[token] == 1:  # a dead column comes back to life
+                    self._dead_columns -= 1
+                self._version += 1
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = len(self._slot)
+        if slot >= len(self._seen):
+            grown = torch.zeros(max(8, 2 * len(self._seen)), self.vocab_size, dtype=torch.bool)
+            grown[: len(self._seen)] = self._seen
+            self._seen = grown
+        return slot
+
+    def _append_column(self, token: int) -> None:
+        if self._num_columns == len(self._column_ids):
+            grown = torch.empty(max(256, 2 * self._num_columns), dtype=torch.int64)
+            grown[: self._num_columns] = self._column_ids[: self._num_columns]
+            self._column_ids = grown
+        self._column_ids[self._num_columns] = token
+        self._column_of[token] = self._num_columns
+        self._num_columns += 1
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop requests (finished ones): their ids may come back as new requests."""
         for req_id in req_ids:
-            self._seen.pop(req_id, None)
+            tokens = self._tokens.pop(req_id, None)
+            if tokens is None:
+                continue
+            del self._read[req_id]
+            slot = self._slot.pop(req_id)
+            self._flush_pending()
+            self._seen[slot] = False
+            self._free_slots.append(slot)
+            for token in tokens:
+                self._live[token] -= 1
+                if self._live[token] == 0:
+                    self._dead_columns += 1
+            self._version += 1
+        if self._dead_columns > max(MIN_DEAD_COLUMNS, self._num_columns - self._dead_columns):
+            self._rebuild_columns()
 
-    def columns(self, req_ids: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's extra columns: token ids ``[E]`` (ascending) that some request of
-        ``req_ids`` has seen and the base vocabulary lacks, and ``allowed [B, E]``, whether
-        request b has seen each. A request never synced has seen nothing."""
-        rows = [self._seen[r][0] for r in req_ids if r in self._seen]
-        if not rows:
-            return torch.empty(0, dtype=torch.int64), torch.zeros(len(req_ids), 0, dtype=torch.bool)
-        union = rows[0].clone() if len(rows) == 1 else torch.stack(rows).any(dim=0)
-        extra = torch.nonzero(union & ~self.in_base).flatten()
-        empty = torch.zeros(len(extra), dtype=torch.bool)
-        allowed = torch.stack(
-            [self._seen[r][0][extra] if r in self._seen else empty for r in req_ids]
-        )
-        return extra, allowed
+    def _rebuild_columns(self) -> None:
+        """A table of the live tokens only, ascending; every column is new again."""
+        live = sorted(t for t in self._column_of if self._live[t] > 0)
+        self._column_ids = torch.tensor(live, dtype=torch.int64)
+        self._column_of = {t: i for i, t in enumerate(live)}
+        self._num_columns, self._dead_columns, self._reported = len(live), 0, 0
+        self._version += 1
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            slots, tokens = zip(*self._pending)
+            self._seen[torch.tensor(slots), torch.tensor(tokens)] = True
+            self._pending.clear()
+
+    def columns(self, req_ids: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The draft's extra columns: token ids ``[E]`` outside the base vocabulary, every
+        token a tracked request has seen (and dead ones of finished requests, until the
+        table is rebuilt); ``allowed [B, E]``, whether request b of ``req_ids`` has seen
+        each (a request never synced has seen nothing); and the first column not
+        returned by an earlier call (0 after a rebuild: all are new). Columns only ever
+        append between rebuilds, so the caller keeps the rows of the old ones."""
+        self._flush_pending()
+        extra = self._column_ids[: self._num_columns]
+        key = (self._version, tuple(req_ids))
+        if self._allowed_cache is not None and self._allowed_cache[0] == key:
+            allowed = self._allowed_cache[1]
+        elif self._num_columns == 0:
+            allowed = torch.zeros(len(req_ids), 0, dtype=torch.bool)
+        else:
+            slots = torch.tensor([self._slot.get(r, -1) for r in req_ids])
+            allowed = self._seen[slots.clamp(min=0)[:, None], extra[None, :]]
+            allowed[slots < 0] = False  # never synced
+            self._allowed_cache = (key, allowed)
+        first_new, self._reported = self._reported, self._num_columns
+        return extra, allowed, first_new

@@ -255,6 +255,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
         # and this step's extra LM-head columns (token ids, rows, [B, E] allowed)
         self.context_vocab: ContextVocabulary | None = None
         self._context_columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the LM-head rows of the context columns so far (a buffer with room to append)
+        self._context_rows: torch.Tensor | None = None
 
     # -- loading -----------------------------------------------------------
     def _get_model(self) -> nn.Module:
@@ -621,14 +623,26 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
     def _step_context_columns(self, req_ids: list[str]):
         """This step's extra draft columns for the requests' own tokens: (token ids [E],
-        LM-head rows [E, H], allowed [B, E]), or None (none used, or none to add). The
-        rows are gathered once a step; every pass reads them."""
+        LM-head rows [E, H], allowed [B, E]), or None (none used, or none to add). Only
+        the rows of columns new since the last step are gathered (the table of columns
+        appends between rebuilds); every pass reads them."""
         if self.context_vocab is None:
             return None
-        extra, allowed = self.context_vocab.columns(req_ids)
+        extra, allowed, first_new = self.context_vocab.columns(req_ids)
         if extra.numel() == 0:
             return None
-        rows = self.model.lm_head_rows(extra)
+        buffer = self._context_rows
+        if buffer is None:
+            first_new = 0
+        if first_new < len(extra):
+            new_rows = self.model.lm_head_rows(extra[first_new:])
+            if buffer is None or len(buffer) < len(extra) or first_new == 0:
+                grown = new_rows.new_empty(max(256, 2 * len(extra)), new_rows.shape[1])
+                if first_new > 0:
+                    grown[:first_new] = buffer[:first_new]
+                buffer = self._context_rows = grown
+            buffer[first_new : len(extra)] = new_rows
+        rows = buffer[: len(extra)]
         device = rows.device
         return extra.to(device), rows, allowed.to(device)
 
