@@ -151,7 +151,11 @@ reference-head:
 # answers' tokens first): 500 steps at lr 2e-4, validated on a split by prompt. Written
 # to artifacts/eagle1-stage4; benchmarks/head_agreement.py and head_tau.py judge it.
 # Measured: validation top-1 0.649 -> 0.690 on its split, but depth-1 agreement on the
-# evaluation prompts fell (benchmarks/results/head-agreement-eagle1-stage4-cpu.md).
+# evaluation prompts fell (benchmarks/results/head-agreement-eagle1-stage4-cpu.md), and
+# with ten times the CE weight too (make eagle1-stage4 STAGE4_OUT=artifacts/eagle1-stage4-ce1
+# STAGE4_EXTRA="--ce-weight 1.0"; later flags win).
+STAGE4_OUT ?= artifacts/eagle1-stage4
+STAGE4_EXTRA ?=
 REF_HEAD_STAGE3 := artifacts/eagle1-stage3
 E3_EVALS3_FEATURES := artifacts/eagle3-features-evals3
 EVALS3_ARGS = --features-dir $(E3_EVALS3_FEATURES) --val-split prompt \
@@ -165,9 +169,10 @@ eagle1-stage4:
 		$(REF_HEAD_STAGE3)/; }
 	test -f $(E3_EVALS3_FEATURES)/meta.json || $(VENV)/bin/eagle-vllm train $(E3_TRAIN_ARGS) \
 		$(EVALS3_ARGS) --out artifacts/evals3-extract --max-steps 0
-	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out artifacts/eagle1-stage4 \
+	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(STAGE4_OUT) \
 		--init-from $(REF_HEAD_STAGE3) --keep-init-vocab $(EVALS3_ARGS) \
-		--feature-dtype bfloat16 --max-steps 500 --lr 2e-4 --warmup-steps 20 --eval-every 100
+		--feature-dtype bfloat16 --max-steps 500 --lr 2e-4 --warmup-steps 20 --eval-every 100 \
+		$(STAGE4_EXTRA)
 
 # The EAGLE-3 reference head (heads/smollm2-135m-instruct-eagle3), in five stages, each
 # warm-started from the one before (--init-from: a new optimiser and schedule). Stages 1-3:
