@@ -588,7 +588,8 @@ drafter's parts are timed with wall clocks around them (ms per engine step):
   masks, gathers);
 * ``merge``: the suffix candidates merged into the trees;
 * ``context_columns``: the step's extra draft columns for the requests' own tokens (the
-  union of their token sets, the LM-head rows gathered; ``draft_vocab_context``);
+  columns' table, each request's mask over it, the new columns' LM-head rows gathered;
+  ``draft_vocab_context``);
 * ``propose_rest``: the rest of ``propose``;
 * ``context_sync`` (before ``propose``, outside it): the requests' new tokens added to
   their token sets.
