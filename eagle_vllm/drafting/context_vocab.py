@@ -33,6 +33,7 @@ columns) or argmax.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +42,13 @@ __all__ = ["ContextVocabulary"]
 # dead columns tolerated before the table is rebuilt: at least this many, or as many as
 # the live ones (a rebuild makes the drafter gather every row again)
 MIN_DEAD_COLUMNS = 256
+
+
+@dataclass
+class _Request:
+    slot: int  # its row of ``ContextVocabulary._seen``
+    read: int = 0  # output tokens read so far
+    tokens: set[int] = field(default_factory=set)  # its tokens outside the base
 
 
 class ContextVocabulary:
@@ -56,9 +64,7 @@ class ContextVocabulary:
         self._in_base = bytearray(self.vocab_size)  # read per token in Python
         for token in base_ids.tolist():
             self._in_base[token] = 1
-        self._tokens: dict[str, set[int]] = {}  # req id -> its tokens outside the base
-        self._read: dict[str, int] = {}  # req id -> output tokens read so far
-        self._slot: dict[str, int] = {}  # req id -> its row of ``_seen``
+        self._requests: dict[str, _Request] = {}
         self._free_slots: list[int] = []
         self._seen = torch.zeros(0, self.vocab_size, dtype=torch.bool)
         self._pending: list[tuple[int, int]] = []  # (slot, token) not yet set in _seen
@@ -72,7 +78,7 @@ class ContextVocabulary:
         self._allowed_cache: tuple[tuple, torch.Tensor] | None = None
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._requests)
 
     @property
     def num_dead_columns(self) -> int:
@@ -84,24 +90,20 @@ class ContextVocabulary:
         and so are placeholders (< 0: vLLM's tokens not known yet, which it later deletes
         and appends the real ones after): reading stops at the first, so the tokens that
         replace it are read next time. A list that shrank is read on from its new end."""
-        tokens = self._tokens.get(req_id)
-        if tokens is None:
-            tokens = self._tokens[req_id] = set()
-            self._slot[req_id] = self._take_slot()
-            self._read[req_id] = 0
-            self._add(req_id, tokens, sorted(set(prompt_ids)))
-        read = min(self._read[req_id], len(output_ids))
-        if read == len(output_ids):
-            self._read[req_id] = read
-            return
-        new = output_ids[read:]
-        placeholder = next((i for i, t in enumerate(new) if t < 0), len(new))
-        self._add(req_id, tokens, new[:placeholder])
-        self._read[req_id] = read + placeholder
+        request = self._requests.get(req_id)
+        if request is None:
+            request = self._requests[req_id] = _Request(self._take_slot())
+            self._add(request, sorted(set(prompt_ids)))
+        request.read = min(request.read, len(output_ids))
+        new = output_ids[request.read :]
+        if new:
+            placeholder = next((i for i, t in enumerate(new) if t < 0), len(new))
+            self._add(request, new[:placeholder])
+            request.read += placeholder
 
-    def _add(self, req_id: str, tokens: set[int], token_ids: Sequence[int]) -> None:
+    def _add(self, request: _Request, token_ids: Sequence[int]) -> None:
         in_base, vocab_size = self._in_base, self.vocab_size
-        slot = self._slot[req_id]
+        tokens, slot = request.tokens, request.slot
         for token in token_ids:
             if 0 <= token < vocab_size and not in_base[token] and token not in tokens:
                 tokens.add(token)
@@ -117,7 +119,7 @@ class ContextVocabulary:
     def _take_slot(self) -> int:
         if self._free_slots:
             return self._free_slots.pop()
-        slot = len(self._slot)
+        slot = len(self._requests)  # slots 0..n-1 are taken when none is free
         if slot >= len(self._seen):
             grown = torch.zeros(max(8, 2 * len(self._seen)), self.vocab_size, dtype=torch.bool)
             grown[: len(self._seen)] = self._seen
@@ -136,15 +138,13 @@ class ContextVocabulary:
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop requests (finished ones): their ids may come back as new requests."""
         for req_id in req_ids:
-            tokens = self._tokens.pop(req_id, None)
-            if tokens is None:
+            request = self._requests.pop(req_id, None)
+            if request is None:
                 continue
-            del self._read[req_id]
-            slot = self._slot.pop(req_id)
             self._flush_pending()
-            self._seen[slot] = False
-            self._free_slots.append(slot)
-            for token in tokens:
+            self._seen[request.slot] = False
+            self._free_slots.append(request.slot)
+            for token in request.tokens:
                 self._live[token] -= 1
                 if self._live[token] == 0:
                     self._dead_columns += 1
@@ -181,7 +181,9 @@ class ContextVocabulary:
         elif self._num_columns == 0:
             allowed = torch.zeros(len(req_ids), 0, dtype=torch.bool)
         else:
-            slots = torch.tensor([self._slot.get(r, -1) for r in req_ids])
+            slots = torch.tensor([
+                r.slot if (r := self._requests.get(req_id)) else -1 for req_id in req_ids
+            ])  # fmt: skip
             allowed = self._seen[slots.clamp(min=0)[:, None], extra[None, :]]
             allowed[slots < 0] = False  # never synced
             self._allowed_cache = (key, allowed)

@@ -636,7 +636,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
             first_new = 0
         if first_new < len(extra):
             new_rows = self.model.lm_head_rows(extra[first_new:])
-            if buffer is None or len(buffer) < len(extra) or first_new == 0:
+            if first_new == 0 or len(buffer) < len(extra):
                 grown = new_rows.new_empty(max(256, 2 * len(extra)), new_rows.shape[1])
                 if first_new > 0:
                     grown[:first_new] = buffer[:first_new]
