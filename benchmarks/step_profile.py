@@ -594,6 +594,9 @@ drafter's parts are timed with wall clocks around them (ms per engine step):
 * ``context_sync`` (before ``propose``, outside it): the requests' new tokens added to
   their token sets.
 
+``--layers direct modules`` runs each arm both ways in turn: the draft's decoder layers
+called directly (``models/direct_layer.py``) and through vLLM's modules.
+
 ``--ops N`` also profiles each arm once more with ``torch.profiler`` and prints the N ops
 that took the most self CPU time under each part of ``--ops-under`` (default ``propose``,
 the whole drafter), with their calls per step.
@@ -702,6 +705,15 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=int, default=0, help="ops per arm under the drafter")
     p.add_argument("--ops-under", nargs="+", default=["propose"], choices=DRAFT_PARTS,
                    help="the drafter's parts whose ops --ops lists")  # fmt: skip
+    p.add_argument("--layers", nargs="+", default=["direct"], choices=("direct", "modules"),
+                   help="the draft's decoder layers called directly (models/direct_layer.py) "
+                        "or through vLLM's modules; both: each arm both ways in turn")  # fmt: skip
+
+
+def _set_direct_layers(worker, direct: bool) -> bool:
+    """Run on the worker: the draft's layers called directly or through vLLM's modules."""
+    worker.model_runner.drafter.model.use_direct_layers = direct
+    return True
 
 
 def draft(args, argv: list[str] | None) -> int:
@@ -719,9 +731,11 @@ def draft(args, argv: list[str] | None) -> int:
     llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
     llm.collective_rpc(_time_drafter_parts)
     print(f"$ {command_line(SCRIPT, argv)}")
-    print("arm (passes, nodes), rep: tok/s | steps | drafter parts, ms per engine step")
+    print("arm (passes, nodes), rep[, layers]: tok/s | steps | drafter parts, ms per engine step")
+    both = len(args.layers) > 1
     for rep in range(args.reps):
-        for arm in swept:
+        for arm, layers in ((a, v) for a in swept for v in args.layers):
+            llm.collective_rpc(_set_direct_layers, args=(layers == "direct",))
             llm.collective_rpc(_pin_arm, args=(arm,))
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(c)]
             suffix_stats(llm, clear_cache=True)
@@ -740,10 +754,12 @@ def draft(args, argv: list[str] | None) -> int:
             )
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             split = " ".join(f"{k}={v:.2f}" for k, v in ms.items())
-            print(f"{arm}, {rep}: {tokens / seconds:.1f} | {steps} | {split}", flush=True)
+            label = f"{arm}, {rep}" + (f", {layers}" if both else "")
+            print(f"{label}: {tokens / seconds:.1f} | {steps} | {split}", flush=True)
     if args.ops:
         from torch.profiler import profile
 
+        llm.collective_rpc(_set_direct_layers, args=(args.layers[0] == "direct",))
         for arm in swept:
             llm.collective_rpc(_pin_arm, args=(arm,))
             suffix_stats(llm, clear_cache=True)

@@ -249,6 +249,41 @@ def draft_is_compiled(vllm_config) -> bool:
     return vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
+# -- the draft's layers, called directly (models/direct_layer.py) -------------------
+def custom_op_impl(op) -> Any | None:
+    """The implementation a vLLM ``CustomOp`` module dispatched to on this platform (what
+    its ``forward`` calls), or None for another module."""
+    from vllm.model_executor.custom_op import CustomOp
+
+    return op._forward_method if isinstance(op, CustomOp) else None
+
+
+def is_plain_linear(linear) -> bool:
+    """A vLLM linear layer on one rank, unquantized (the plugin's bf16 and int8 draft
+    GEMMs included), not wrapped for LoRA: its forward is ``quant_method.apply`` and
+    a bias."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    return (
+        isinstance(linear, LinearBase)
+        and getattr(linear, "tp_size", 1) == 1
+        and isinstance(linear.quant_method, UnquantizedLinearMethod)
+    )
+
+
+def linear_impl(linear):
+    """``x -> linear(x)`` for a plain linear (``is_plain_linear``): the GEMM and the bias,
+    without the layer's forward."""
+    apply, bias = linear.quant_method.apply, None if linear.skip_bias_add else linear.bias
+    return lambda x: apply(linear, x, bias)
+
+
+def is_silu_and_mul(act) -> bool:
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    return isinstance(act, SiluAndMul)
+
+
 # -- the front end (vllm/engine/arg_utils.py) --------------------------------------
 def engine_args_class():
     from vllm.engine.arg_utils import EngineArgs

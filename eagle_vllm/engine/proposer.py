@@ -446,8 +446,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
             self._last_layer_outputs_only_at(sample_rows),
             contextlib.suppress(_KVCaptured),
         ):
-            logit_hidden, hidden = self.model.decode(tokens, features, positions)
-            return hidden[sample_rows], logit_hidden[sample_rows], positions[sample_rows]
+            logit_hidden, hidden = self.model.decode(tokens, features, positions, sample_rows)
+            return hidden, logit_hidden, positions[sample_rows]
         empty = target_hidden_states[:0]  # only the KV was written
         return empty, empty, positions[:0]
 

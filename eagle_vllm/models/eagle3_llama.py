@@ -53,10 +53,15 @@ class EagleVllmEagle3LlamaForCausalLM(DraftVocabMixin, Eagle3LlamaForCausalLM):
         return self.combine_hidden_states(target_features)
 
     def decode(
-        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder over rows of (token, feature, position). Returns the hidden state
-        the LM head reads and the feature of the next draft step."""
+        the LM head reads and the feature of the next draft step, at every row or at
+        ``out_rows`` only."""
         embed = self.model.embed_tokens  # may be the target's (shared when not in the head)
         # With LoRA on, vLLM 0.32 wraps the shared embedding in VocabParallelEmbeddingWithLoRA,
         # whose forward indexes the target step's token->adapter map; tree rows do not follow
@@ -66,6 +71,8 @@ class EagleVllmEagle3LlamaForCausalLM(DraftVocabMixin, Eagle3LlamaForCausalLM):
         for layer in self.model.layers:
             x, residual = layer(positions=positions, embeds=embeds, hidden_states=x,
                                 residual=residual)  # fmt: skip
+        if out_rows is not None:
+            x, residual = x[out_rows], residual[out_rows]
         normed, prenorm = self.model.norm(x, residual)
         return normed, (normed if self.model.norm_output else prenorm)
 

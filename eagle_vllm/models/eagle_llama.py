@@ -23,6 +23,7 @@ from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 
 from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
+from eagle_vllm.models.direct_layer import DirectLlamaLayer, direct_layers
 from eagle_vllm.models.draft_precision import draft_gemm_dtype, run_gemms_in
 from eagle_vllm.models.draft_vocab import DraftVocabMixin
 
@@ -57,6 +58,9 @@ class EagleVllmLlamaForCausalLM(DraftVocabMixin, EagleLlamaForCausalLM):
         self.gemm_dtype = draft_gemm_dtype(vllm_config)
         if self.gemm_dtype is not None:
             run_gemms_in(self.gemm_dtype, self.model.modules(), feature_fc=self.model.fc)
+        # the decoder layers called directly, without vLLM's module machinery
+        self.use_direct_layers = True
+        self._direct: list[DirectLlamaLayer] | None = None
 
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the drafting vocabulary and the token id of each column
@@ -75,16 +79,41 @@ class EagleVllmLlamaForCausalLM(DraftVocabMixin, EagleLlamaForCausalLM):
         return target_features
 
     def decode(
-        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder over rows of (token, feature, position), layer by layer (the
-        drafter swaps each layer's attention for tree attention). Returns the hidden
-        state the LM head reads and the feature of the next draft step (the same)."""
+        drafter swaps each layer's attention for tree attention). Returns the hidden state
+        the LM head reads and the feature of the next draft step (the same), at every
+        row or at ``out_rows`` only (the last layer's output projection and MLP then run
+        at those rows only, where the layers run directly)."""
         x, residual = self.combine_features(input_ids, features), None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual)
+        layers = self.model.layers
+        direct = self.direct_layers()
+        if direct is None:
+            for layer in layers:
+                x, residual = layer(positions, x, residual)
+            if out_rows is not None:
+                x, residual = x[out_rows], residual[out_rows]
+        else:
+            last = len(direct) - 1
+            for i, layer in enumerate(direct):
+                x, residual = layer(positions, x, residual, out_rows if i == last else None)
         hidden = x + residual
         return hidden, hidden
+
+    def direct_layers(self) -> list[DirectLlamaLayer] | None:
+        """The decoder layers' direct forwards (``direct_layer.py``), built on first use
+        (after the weights are processed); None where they do not apply or are turned
+        off (``use_direct_layers``)."""
+        if not self.use_direct_layers:
+            return None
+        if self._direct is None:
+            self._direct = direct_layers(list(self.model.layers)) or []
+        return self._direct or None
 
     def combine_features(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(t); f]): the decoder input for a (token, feature) pair."""

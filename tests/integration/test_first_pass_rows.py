@@ -16,13 +16,16 @@ from test_eagle_chain import PROMPTS, greedy, token_ids
 pytestmark = pytest.mark.vllm
 
 
-def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True) -> dict:
+def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True, direct: bool = True,
+         draft: str = "draft_noisy") -> dict:  # fmt: skip
     """``in_place=False``: the drafter's attention as on a platform without an in-place
-    one (vLLM's first pass, prefixes gathered for the tree passes)."""
+    one (vLLM's first pass, prefixes gathered for the tree passes). ``direct=False``: the
+    draft's layers through vLLM's modules (``models/direct_layer.py`` off)."""
     from eagle_vllm import LLM
     from eagle_vllm.engine import proposer
+    from eagle_vllm.models import direct_layer, eagle_llama
 
-    roots, trees, row_counts, own_passes = [], [], [], []
+    roots, trees, row_counts, own_passes, direct_calls = [], [], [], [], []
     draft_tree = proposer.EagleTreeProposer.draft_tree
 
     def recording_draft_tree(self, **kw):
@@ -44,6 +47,17 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True) -> dict:
         own_passes.append(out is not None)
         return out
 
+    direct_call = direct_layer.DirectLlamaLayer.__call__
+
+    def counting_direct_call(self, positions, x, residual, out_rows=None):
+        direct_calls.append(x.shape[0] if out_rows is None else len(out_rows))
+        return direct_call(self, positions, x, residual, out_rows)
+
+    monkeypatch.setattr(direct_layer.DirectLlamaLayer, "__call__", counting_direct_call)
+    if not direct:
+        monkeypatch.setattr(
+            eagle_llama.EagleVllmLlamaForCausalLM, "direct_layers", lambda self: None
+        )
     monkeypatch.setattr(proposer.EagleTreeProposer, "draft_tree", recording_draft_tree)
     monkeypatch.setattr(proposer._AtRows, "forward", counting_forward)
     monkeypatch.setattr(proposer.EagleTreeProposer, "_first_pass_own_attention", counting_own_pass)
@@ -58,14 +72,14 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True) -> dict:
             lambda self, rows: contextlib.nullcontext(),
         )
     # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    spec = {"method": "eagle2", "model": str(tiny["draft_noisy"]), "num_speculative_tokens": 3,
+    spec = {"method": "eagle2", "model": str(tiny[draft]), "num_speculative_tokens": 3,
             "topk": 3, "total_tokens": 8}  # fmt: skip
     llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
     out = token_ids(llm.generate(PROMPTS, greedy(max_tokens=32)))
     shutdown(llm)
     monkeypatch.undo()
     return {"tokens": out, "roots": roots, "trees": trees, "row_counts": row_counts,
-            "own_passes": own_passes}  # fmt: skip
+            "own_passes": own_passes, "direct_calls": direct_calls}  # fmt: skip
 
 
 def test_first_pass_outputs_only_where_read(tiny, monkeypatch):
@@ -99,3 +113,20 @@ def test_in_place_attention_matches_vllms_and_gathered(tiny, monkeypatch):
         torch.testing.assert_close(hidden_a, hidden_b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(last_a, last_b, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(ours["trees"], theirs["trees"]))
+
+
+def test_direct_layers_match_vllms_modules(tiny, monkeypatch):
+    """The draft's layers called directly (``models/direct_layer.py``: the same kernels
+    without vLLM's module machinery, the first pass's output projection and MLP at the
+    sampled rows only) draft bit for bit what vLLM's modules draft. The random draft: the
+    oracle drafts' MLP is zero."""
+    modules = _run(tiny, monkeypatch, trimmed=True, direct=False, draft="draft_random")
+    direct = _run(tiny, monkeypatch, trimmed=True, direct=True, draft="draft_random")
+    assert modules["direct_calls"] == []
+    # decode steps' first passes (one output row per request) and tree passes ran direct
+    assert sum(n <= len(PROMPTS) for n in direct["direct_calls"]) > 10
+    assert direct["tokens"] == modules["tokens"]
+    assert len(direct["roots"]) == len(modules["roots"]) > 10
+    for (hidden_a, last_a), (hidden_b, last_b) in zip(direct["roots"], modules["roots"]):
+        assert torch.equal(hidden_a, hidden_b) and torch.equal(last_a, last_b)
+    assert all(torch.equal(a, b) for a, b in zip(direct["trees"], modules["trees"]))
