@@ -357,9 +357,12 @@ def _ranked_children_host(
         cols = token_ids.to(cols.device)[cols]
     shape = vals.shape
     vals, tokens = _clean_host(vals).reshape(-1, k), cols.cpu().numpy().reshape(-1, k)
-    order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, then token ascending
-    at = (np.arange(order.shape[0])[:, None], order)
-    return vals[at].reshape(shape), tokens[at].reshape(shape)
+    # top-k orders NaN (now -inf) first and ties arbitrarily: re-sort only then
+    if k > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
+        order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, token ascending
+        at = (np.arange(order.shape[0])[:, None], order)
+        vals, tokens = vals[at], tokens[at]
+    return vals.reshape(shape), tokens.reshape(shape)
 
 
 def depth_one_tree(
@@ -374,8 +377,11 @@ def depth_one_tree(
 
     A one-pass tree is the root and its best ``min(topk, nodes - 1)`` children,
     in the builder's order. This is the shape the sizer picks most often at batch 1, and
-    here it costs a top-k and one tiny sort instead of the builder's bookkeeping for
-    later levels. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
+    here it costs a top-k and a handful of host ops: in an engine step every op runs with
+    caches the target's forward emptied, so the count of ops is the cost
+    (``benchmarks/micro/builder_cost.py --cold``). The children are re-sorted into the
+    canonical order (equal log-probs by token id) only where the top-k's order is not it. ``logprobs``:
+    [B, 1, V] or [B, V], the root's draft log-probs.
     """
     if topk < 1 or nodes < 1:
         raise ValueError(f"topk and nodes must be >= 1, got {topk}, {nodes}")
@@ -388,21 +394,32 @@ def depth_one_tree(
     width = int(nodes)
     if m == 0:
         return root_only_tree(root_tokens, width)
-    vals, idx = _ranked_children_host(logprobs[:, None, :], topk, token_ids)
-    vals, idx = vals[:, 0, :m], idx[:, 0, :m]
-
-    def row(first, body: np.ndarray, fill) -> Tensor:
-        out = np.full((b, width), fill, dtype=body.dtype)
-        out[:, 0] = first
-        out[:, 1 : m + 1] = body
-        return torch.from_numpy(out).to(dev)
-
-    zeros = np.zeros((b, m), dtype=np.int64)
+    vals, cols = torch.topk(logprobs, topk, dim=-1)  # log-prob descending
+    if token_ids is not None:
+        cols = token_ids.to(cols.device)[cols]
+    vals, tokens = _clean_host(vals), cols.cpu().numpy()
+    # top-k orders NaN (now -inf) first and ties arbitrarily: re-sort only then
+    if topk > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
+        order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, token ascending
+        at = (np.arange(b)[:, None], order)
+        vals, tokens = vals[at], tokens[at]
+    # tokens, parents, depths and parent rows in one array: the root's parent and parent
+    # row are -1 and its depth 0; the children's parent and parent row are 0 (the root's)
+    ints = np.full((4, b, width), -1, dtype=np.int64)
+    ints[0, :, 0] = root_tokens.cpu().numpy()
+    ints[0, :, 1 : m + 1] = tokens[:, :m]
+    ints[1:, :, 1 : m + 1] = 0
+    ints[2, :, 0] = 0
+    ints[2, :, 1 : m + 1] = 1
+    scores = np.full((b, width), -np.inf, dtype=np.float32)
+    scores[:, 0] = 0.0
+    scores[:, 1 : m + 1] = vals[:, :m]
+    packed = torch.from_numpy(ints).to(dev)
     return DraftTree(
-        tokens=row(root_tokens.cpu().numpy(), idx, -1),
-        parents=row(-1, zeros, -1),
-        depths=row(0, zeros + 1, -1),
+        tokens=packed[0],
+        parents=packed[1],
+        depths=packed[2],
         num_nodes=torch.full((b,), m + 1, dtype=torch.long, device=dev),
-        scores=row(0.0, vals, -np.inf),
-        parent_row=row(-1, zeros, -1),
+        scores=torch.from_numpy(scores).to(dev),
+        parent_row=packed[3],
     )
