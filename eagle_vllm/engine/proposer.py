@@ -274,6 +274,9 @@ class EagleTreeProposer(StepBound, EagleProposer):
                 f"eagle_vllm: draft hidden_size {draft_hidden} does not match the "
                 f"target's {target_hidden}. Fix: use a draft trained for this target."
             )
+        # the layers' direct forward, built from the layers as loaded (before any step
+        # swaps their modules for stand-ins)
+        self.model.direct_layers()
         if self.eagle_config.draft_vocab:
             from eagle_vllm.models.checkpoint import load_draft_vocab
 
@@ -441,11 +444,11 @@ class EagleTreeProposer(StepBound, EagleProposer):
         sample_rows = (offsets + lengths - 1).to(device)
         if not drafting:  # only the KV is wanted: the last layer stops once it is written
             shims[-1].kv_only = True
-        with (
-            _swapped_attention(layers, shims),
-            self._last_layer_outputs_only_at(sample_rows),
-            contextlib.suppress(_KVCaptured),
-        ):
+        # layers run directly take the rows themselves (decode's out_rows)
+        trim = contextlib.nullcontext()
+        if self.model.direct_layers() is None:
+            trim = self._last_layer_outputs_only_at(sample_rows)
+        with _swapped_attention(layers, shims), trim, contextlib.suppress(_KVCaptured):
             logit_hidden, hidden = self.model.decode(tokens, features, positions, sample_rows)
             return hidden, logit_hidden, positions[sample_rows]
         empty = target_hidden_states[:0]  # only the KV was written

@@ -1,7 +1,8 @@
 """A draft decoder layer's forward as a flat sequence of calls: what a draft pass runs.
 
-At batch 1 a draft pass multiplies a few rows by a few megabytes of weights, and the
-Python around vLLM's modules costs about as much as the arithmetic: every module call
+At batch 1 a draft pass multiplies a few rows by a few megabytes of weights, and besides
+reading them its cost is the count of calls it makes, each of them with caches the
+target's forward emptied (BENCHMARKS.md, "What bounds a draft pass"): every module call
 goes through ``nn.Module.__call__``, every vLLM linear through its ``forward`` (TP
 split, bias and tuple handling), every custom op through its dispatcher. Here a vLLM
 ``LlamaDecoderLayer`` runs as the same kernels called directly:
@@ -13,7 +14,8 @@ split, bias and tuple handling), every custom op through its dispatcher. Here a 
 * the attention module the layer holds at call time, so the drafter's stand-ins
   (tree attention, the first pass's in-place attention) are called as before.
 
-The outputs are the layer's own, bit for bit (``tests/unit/test_direct_layer.py``).
+The outputs are the layer's own, bit for bit
+(``tests/integration/test_first_pass_rows.py::test_direct_layers_match_vllms_modules``).
 ``out_rows`` runs the layer's output projection and MLP at those rows only, for a pass
 that needs every row's K/V but a few rows' outputs (the first pass of a decode step).
 

@@ -76,6 +76,10 @@ class EagleVllmEagle3LlamaForCausalLM(DraftVocabMixin, Eagle3LlamaForCausalLM):
         normed, prenorm = self.model.norm(x, residual)
         return normed, (normed if self.model.norm_output else prenorm)
 
+    def direct_layers(self) -> None:
+        """EAGLE-3 layers (2H attention input) run through vLLM's modules only."""
+        return None
+
     def draft_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the draft vocabulary and the target token id of each column
         (None: the full vocabulary, column = token id)."""

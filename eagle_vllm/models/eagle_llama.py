@@ -106,8 +106,9 @@ class EagleVllmLlamaForCausalLM(DraftVocabMixin, EagleLlamaForCausalLM):
         return hidden, hidden
 
     def direct_layers(self) -> list[DirectLlamaLayer] | None:
-        """The decoder layers' direct forwards (``direct_layer.py``), built on first use
-        (after the weights are processed); None where they do not apply or are turned
+        """The decoder layers' direct forwards (``direct_layer.py``), built on the first
+        call, which the drafter makes once the weights are processed and before any step
+        swaps a layer's modules for stand-ins; None where they do not apply or are turned
         off (``use_direct_layers``)."""
         if not self.use_direct_layers:
             return None

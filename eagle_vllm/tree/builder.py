@@ -380,8 +380,8 @@ def depth_one_tree(
     here it costs a top-k and a handful of host ops: in an engine step every op runs with
     caches the target's forward emptied, so the count of ops is the cost
     (``benchmarks/micro/builder_cost.py --cold``). The children are re-sorted into the
-    canonical order (equal log-probs by token id) only where the top-k's order is not it. ``logprobs``:
-    [B, 1, V] or [B, V], the root's draft log-probs.
+    canonical order (equal log-probs by token id) only where the top-k's order is not
+    it. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
     """
     if topk < 1 or nodes < 1:
         raise ValueError(f"topk and nodes must be >= 1, got {topk}, {nodes}")

@@ -75,16 +75,25 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True, direct: bool =
     spec = {"method": "eagle2", "model": str(tiny[draft]), "num_speculative_tokens": 3,
             "topk": 3, "total_tokens": 8}  # fmt: skip
     llm = LLM(str(tiny["target"]), speculative_config=spec, **ENGINE_KW)
+    built_at_load = llm.collective_rpc(_direct_layers_built)[0]
     out = token_ids(llm.generate(PROMPTS, greedy(max_tokens=32)))
     shutdown(llm)
     monkeypatch.undo()
     return {"tokens": out, "roots": roots, "trees": trees, "row_counts": row_counts,
-            "own_passes": own_passes, "direct_calls": direct_calls}  # fmt: skip
+            "own_passes": own_passes, "direct_calls": direct_calls,
+            "built_at_load": built_at_load}  # fmt: skip
+
+
+def _direct_layers_built(worker) -> bool:
+    """Run on the worker: whether the draft's direct layers exist (before any step)."""
+    return bool(worker.model_runner.drafter.model._direct)
 
 
 def test_first_pass_outputs_only_where_read(tiny, monkeypatch):
-    full = _run(tiny, monkeypatch, trimmed=False)
-    trimmed = _run(tiny, monkeypatch, trimmed=True)
+    """Through vLLM's modules (the direct layers take the rows themselves: compared with
+    these in ``test_direct_layers_match_vllms_modules``)."""
+    full = _run(tiny, monkeypatch, trimmed=False, direct=False)
+    trimmed = _run(tiny, monkeypatch, trimmed=True, direct=False)
     assert trimmed["tokens"] == full["tokens"]
     # the trimmed passes computed far fewer rows: prompts (up to 131 rows) and trees
     assert full["row_counts"] == []
@@ -123,6 +132,9 @@ def test_direct_layers_match_vllms_modules(tiny, monkeypatch):
     modules = _run(tiny, monkeypatch, trimmed=True, direct=False, draft="draft_random")
     direct = _run(tiny, monkeypatch, trimmed=True, direct=True, draft="draft_random")
     assert modules["direct_calls"] == []
+    # built when the drafter loaded, not at a first call inside a step (where the first
+    # pass has swapped the last layer's projection and MLP for row-trimming stand-ins)
+    assert direct["built_at_load"]
     # decode steps' first passes (one output row per request) and tree passes ran direct
     assert sum(n <= len(PROMPTS) for n in direct["direct_calls"]) > 10
     assert direct["tokens"] == modules["tokens"]
