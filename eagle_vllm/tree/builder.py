@@ -356,13 +356,21 @@ def _ranked_children_host(
     if token_ids is not None:
         cols = token_ids.to(cols.device)[cols]
     shape = vals.shape
-    vals, tokens = _clean_host(vals).reshape(-1, k), cols.cpu().numpy().reshape(-1, k)
-    # top-k orders NaN (now -inf) first and ties arbitrarily: re-sort only then
-    if k > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
-        order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, token ascending
+    vals, tokens = _canonical_order(
+        _clean_host(vals).reshape(-1, k), cols.cpu().numpy().reshape(-1, k)
+    )
+    return vals.reshape(shape), tokens.reshape(shape)
+
+
+def _canonical_order(vals: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a top-k (``[R, k]`` cleaned log-probs, tokens) in the canonical sibling
+    order: log-prob descending, token ascending. Top-k orders NaN (now -inf) first and
+    ties arbitrarily, so rows are re-sorted only where its order is not already that."""
+    if vals.shape[1] > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
+        order = np.lexsort((tokens, -vals), axis=-1)
         at = (np.arange(order.shape[0])[:, None], order)
         vals, tokens = vals[at], tokens[at]
-    return vals.reshape(shape), tokens.reshape(shape)
+    return vals, tokens
 
 
 def depth_one_tree(
@@ -397,12 +405,7 @@ def depth_one_tree(
     vals, cols = torch.topk(logprobs, topk, dim=-1)  # log-prob descending
     if token_ids is not None:
         cols = token_ids.to(cols.device)[cols]
-    vals, tokens = _clean_host(vals), cols.cpu().numpy()
-    # top-k orders NaN (now -inf) first and ties arbitrarily: re-sort only then
-    if topk > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
-        order = np.lexsort((tokens, -vals), axis=-1)  # log-prob descending, token ascending
-        at = (np.arange(b)[:, None], order)
-        vals, tokens = vals[at], tokens[at]
+    vals, tokens = _canonical_order(_clean_host(vals), cols.cpu().numpy())
     # tokens, parents, depths and parent rows in one array: the root's parent and parent
     # row are -1 and its depth 0; the children's parent and parent row are 0 (the root's)
     ints = np.full((4, b, width), -1, dtype=np.int64)
