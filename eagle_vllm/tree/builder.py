@@ -1,4 +1,4 @@
-"""Incremental EAGLE-2 dynamic draft-tree builder (selection only: torch and numpy, no vLLM).
+"""Incremental EAGLE-2 dynamic draft-tree builder (selection only: torch and Python, no vLLM).
 
 The caller runs the draft model; the builder only decides what to expand and
 what to keep.  One round for ``B`` requests::
@@ -83,9 +83,10 @@ Deliberate differences from SafeAILab ``topK_genrate``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import operator
+from array import array
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -93,22 +94,62 @@ from .layout import DraftTree, root_only_tree
 
 __all__ = ["Frontier", "TreeBuilder", "depth_one_tree"]
 
+NEG_INF = float("-inf")
 
-@dataclass
+
 class Frontier:
-    """The nodes the next draft forward must expand (one row each)."""
+    """The nodes the next draft forward must expand (one row each).
 
-    tokens: Tensor  # [B, w] int64 tokens of the frontier nodes (input ids)
-    node_ids: Tensor  # [B, w] int64 builder candidate ids (root = 0)
-    scores: Tensor  # [B, w] float32 log path values
-    parent_frontier_index: Tensor  # [B, w] int64 row in the previous frontier; -1 for root
-    ancestor_rows: Tensor  # [B, w, depth + 1] global rows of the path root..self
-    rows: Tensor  # [w] int64 global row numbers of these rows (same for all b)
-    depth: int  # depth of the frontier nodes (0 = root); position offset
+    Its tensors (on the builder's device) are made on first access: a draft pass reads
+    ``tokens`` and ``parent_frontier_index``, the other fields are for callers that need
+    them, and after the last pass none is read."""
+
+    def __init__(self, device, depth: int, rows: list[int], tokens, parent_index, node_ids,
+                 scores, ancestors) -> None:  # fmt: skip
+        self.depth = depth  # depth of the frontier nodes (0 = root); position offset
+        self._device = device
+        self._rows, self._tokens, self._parent_index = rows, tokens, parent_index
+        self._node_ids, self._scores, self._ancestors = node_ids, scores, ancestors
 
     @property
     def width(self) -> int:
-        return self.tokens.shape[1]
+        return len(self._rows)
+
+    @functools.cached_property
+    def _token_and_parent(self) -> Tensor:
+        if isinstance(self._tokens, Tensor):  # the root frontier
+            return torch.stack((self._tokens, torch.full_like(self._tokens, -1)))
+        return torch.tensor([self._tokens, self._parent_index], device=self._device)
+
+    @property
+    def tokens(self) -> Tensor:
+        """[B, w] int64 tokens of the frontier nodes (input ids)."""
+        return self._token_and_parent[0]
+
+    @property
+    def parent_frontier_index(self) -> Tensor:
+        """[B, w] int64 row in the previous frontier; -1 for the root."""
+        return self._token_and_parent[1]
+
+    @functools.cached_property
+    def node_ids(self) -> Tensor:
+        """[B, w] int64 builder candidate ids (root = 0)."""
+        return torch.tensor(self._node_ids, dtype=torch.int64, device=self._device)
+
+    @functools.cached_property
+    def scores(self) -> Tensor:
+        """[B, w] float32 log path values."""
+        return torch.tensor(self._scores, dtype=torch.float32, device=self._device)
+
+    @functools.cached_property
+    def ancestor_rows(self) -> Tensor:
+        """[B, w, depth + 1] global rows of the path root..self."""
+        return torch.tensor(self._ancestors, dtype=torch.int64, device=self._device)
+
+    @functools.cached_property
+    def rows(self) -> Tensor:
+        """[w] int64 global row numbers of these rows (the same for every request)."""
+        return torch.tensor(self._rows, dtype=torch.int64, device=self._device)
 
 
 class TreeBuilder:
@@ -116,10 +157,12 @@ class TreeBuilder:
 
     The top-k of each frontier row's distribution runs in torch, where the log-probs are;
     the bookkeeping after it (scores, candidate ids, the next frontier and the rerank)
-    runs on the host in numpy: its arrays hold at most ``B x topk**2`` candidates a
-    level, and numpy's per-call cost is a fraction of torch's at these sizes, which is
-    what the builder's time is made of. The frontier and the tree come back as tensors
-    on the log-probs' device.
+    runs on the host over Python lists, request by request: a request holds at most
+    ``topk**2`` candidates a level, and in an engine step every call runs with caches the
+    target's forward emptied, so the count of calls is the cost
+    (``benchmarks/micro/builder_cost.py --cold``). Scores are float32 sums, rounded as
+    float32 addition rounds them (``_float32``). The frontier and the tree come
+    back as tensors on the log-probs' device.
 
     Args:
         root_tokens: [B] last accepted tokens (the roots).
@@ -147,48 +190,40 @@ class TreeBuilder:
         self.topk = int(topk)
         self.passes = int(passes)
         if isinstance(nodes, Tensor):
-            budget = nodes.detach().cpu().long().reshape(-1).numpy()
-            if budget.size == 1 and b != 1:
-                budget = np.broadcast_to(budget, (b,))
-            if budget.shape != (b,):
+            budget = nodes.detach().reshape(-1).tolist()
+            if len(budget) == 1 and b != 1:
+                budget = budget * b
+            if len(budget) != b:
                 raise ValueError("nodes must be an int or a [B] tensor")
         else:
-            budget = np.full(b, int(nodes), dtype=np.int64)
-        self._budget = np.maximum(budget, 1)
+            budget = [int(nodes)] * b
+        self._budget = [max(int(n), 1) for n in budget]
         self.root_tokens = root_tokens
-        self._batch_rows = np.arange(b)[:, None]  # fancy-indexes one column per row
 
-        # candidate store (one entry per step), each [B, w * topk]
-        self._cand_tokens: list[np.ndarray] = []
-        self._cand_scores: list[np.ndarray] = []
-        self._cand_parent: list[np.ndarray] = []  # parent candidate id
-        self._cand_parent_row: list[np.ndarray] = []  # global row of the parent
-        self._num_cands = 0
+        # candidates per request, in id order (candidate id = position + 1)
+        self._cand_tokens: list[list[int]] = [[] for _ in range(b)]
+        self._cand_scores: list[list[float]] = [[] for _ in range(b)]
+        self._cand_parent: list[list[int]] = [[] for _ in range(b)]  # parent candidate id
+        # the same for every request: each candidate's depth and its parent's global row
+        self._cand_depth: list[int] = []
+        self._cand_parent_row: list[int] = []
         self._passes_done = 0
         self._next_row = 1
 
-        # the frontier on the host (the tensors of ``Frontier`` are views of these)
-        self._f_scores = np.zeros((b, 1), dtype=np.float32)
-        self._f_node_ids = np.zeros((b, 1), dtype=np.int64)
-        self._f_rows = np.zeros(1, dtype=np.int64)
-        self._f_ancestors = np.zeros((b, 1, 1), dtype=np.int64)
+        # the frontier: per request, its nodes' scores, candidate ids and ancestor rows
+        self._f_scores: list[list[float]] = [[0.0] for _ in range(b)]
+        self._f_node_ids: list[list[int]] = [[0] for _ in range(b)]
+        self._f_ancestors: list[list[list[int]]] = [[[0]] for _ in range(b)]
+        self._f_rows: list[int] = [0]
         self._frontier = Frontier(
-            tokens=root_tokens[:, None].clone(),
-            node_ids=self._tensor(self._f_node_ids),
-            scores=self._tensor(self._f_scores),
-            parent_frontier_index=self._tensor(np.full((b, 1), -1, dtype=np.int64)),
-            ancestor_rows=self._tensor(self._f_ancestors),
-            rows=self._tensor(self._f_rows),
-            depth=0,
-        )
+            self.device, 0, self._f_rows, root_tokens[:, None].clone(), None,
+            self._f_node_ids, self._f_scores, self._f_ancestors,
+        )  # fmt: skip
 
     @property
     def nodes(self) -> Tensor:
         """[B] node budgets, root included (each >= 1)."""
-        return self._tensor(self._budget.copy())
-
-    def _tensor(self, array: np.ndarray) -> Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return torch.tensor(self._budget, dtype=torch.int64, device=self.device)
 
     # --------------------------------------------------------------- progress
     @property
@@ -216,56 +251,56 @@ class TreeBuilder:
         """
         if self._passes_done >= self.passes:
             raise RuntimeError(f"TreeBuilder.step called more than passes={self.passes} times")
-        fr = self._frontier
-        b, w, k = self.batch_size, fr.width, self.topk
+        b, w, k = self.batch_size, self._frontier.width, self.topk
         if logprobs.dim() != 3 or logprobs.shape[0] != b or logprobs.shape[1] != w:
             raise ValueError(f"logprobs must be [B={b}, w={w}, V], got {tuple(logprobs.shape)}")
         if logprobs.shape[2] < k:
             raise ValueError(f"vocab size {logprobs.shape[2]} < topk {k}")
 
         if children is None:
-            vals, idx = _ranked_children_host(logprobs, k, token_ids)  # [B, w, k]
+            vals, tokens = _ranked_children(logprobs, k, token_ids)  # [B * w][k] lists
         else:
             if children.shape != (b, w, k):
                 raise ValueError(f"children must be [B={b}, w={w}, topk={k}]")
             cols = children.to(logprobs.device, torch.long)
-            vals = _clean_host(logprobs.gather(-1, cols))
+            raw = logprobs.gather(-1, cols).reshape(-1, k).tolist()
+            vals = [[_clean(v) for v in row] for row in raw]
             if token_ids is not None:
                 cols = token_ids.to(cols.device)[cols]
-            idx = cols.cpu().numpy()
+            tokens = cols.reshape(-1, k).tolist()
 
-        child_scores = (self._f_scores[:, :, None] + vals).reshape(b, w * k)
-        child_tokens = idx.reshape(b, w * k)
-        offset = self._num_cands + 1
-        child_ids = offset + np.arange(w * k, dtype=np.int64)
-        self._cand_tokens.append(child_tokens)
-        self._cand_scores.append(child_scores)
-        self._cand_parent.append(np.repeat(self._f_node_ids, k, axis=1))
-        self._cand_parent_row.append(np.broadcast_to(np.repeat(self._f_rows, k), (b, w * k)))
-        self._num_cands += w * k
-        self._passes_done += 1
-
-        # next frontier: global top-k of this level, (score desc, id asc)
-        nw = min(k, w * k)
-        order = _descending(child_scores)[:, :nw]
-        pfi = order // k
-        rows = self._next_row + np.arange(nw, dtype=np.int64)
+        # every child's score, float32 as the parent's score plus its log-prob
+        parent_scores = [s for fs in self._f_scores for s in fs]
+        flat = _float32([s + v for s, row in zip(parent_scores, vals) for v in row])
+        n = w * k
+        offset = len(self._cand_depth) + 1
+        depth = self._frontier.depth + 1
+        nw = min(k, n)
+        rows = list(range(self._next_row, self._next_row + nw))
         self._next_row += nw
-        at = (self._batch_rows, order)
-        ancestors = self._f_ancestors[self._batch_rows, pfi]
-        ancestors = np.concatenate([ancestors, np.broadcast_to(rows, (b, nw))[:, :, None]], 2)
-        self._f_scores = child_scores[at]
-        self._f_node_ids = child_ids[order]
+        self._cand_depth += [depth] * n
+        self._cand_parent_row += [r for r in self._f_rows for _ in range(k)]
+        f_tokens, f_parent, f_ids, f_scores, f_ancestors = [], [], [], [], []
+        for i in range(b):
+            scores = flat[i * n : (i + 1) * n]
+            level = [t for row in tokens[i * w : (i + 1) * w] for t in row]
+            parent_ids = self._f_node_ids[i]
+            self._cand_tokens[i] += level
+            self._cand_scores[i] += scores
+            self._cand_parent[i] += [p for p in parent_ids for _ in range(k)]
+            # next frontier: this level's top-k, (score desc, id asc)
+            best = _descending(scores)[:nw]
+            ancestors = self._f_ancestors[i]
+            f_tokens.append([level[j] for j in best])
+            f_parent.append([j // k for j in best])
+            f_ids.append([offset + j for j in best])
+            f_scores.append([scores[j] for j in best])
+            f_ancestors.append([ancestors[j // k] + [r] for j, r in zip(best, rows)])
+        self._passes_done += 1
+        self._f_scores, self._f_node_ids, self._f_ancestors = f_scores, f_ids, f_ancestors
         self._f_rows = rows
-        self._f_ancestors = ancestors
         self._frontier = Frontier(
-            tokens=self._tensor(child_tokens[at]),
-            node_ids=self._tensor(self._f_node_ids),
-            scores=self._tensor(self._f_scores),
-            parent_frontier_index=self._tensor(pfi),
-            ancestor_rows=self._tensor(ancestors),
-            rows=self._tensor(rows),
-            depth=fr.depth + 1,
+            self.device, depth, rows, f_tokens, f_parent, f_ids, f_scores, f_ancestors
         )
         return self._frontier
 
@@ -280,96 +315,93 @@ class TreeBuilder:
         """
         if order not in ("rank", "id"):
             raise ValueError(f"order must be 'rank' or 'id', got {order!r}")
-        b = self.batch_size
-        c = self._num_cands
-        m = np.clip(self._budget - 1, 0, c)
+        c = len(self._cand_depth)
+        kept = [min(max(n - 1, 0), c) for n in self._budget]
         if pad_to is not None:
             if pad_to < 1:
                 raise ValueError("pad_to must be >= 1")
-            m = np.minimum(m, pad_to - 1)
+            kept = [min(m, pad_to - 1) for m in kept]
             width = int(pad_to)
-            mm = min(pad_to - 1, c)
         else:
-            mm = int(m.max()) if b > 0 else 0
-            width = mm + 1
-        if c == 0 or mm == 0:
+            width = max(kept, default=0) + 1
+        if c == 0 or max(kept, default=0) == 0:
             return root_only_tree(self.root_tokens, width)
 
-        scores = np.concatenate(self._cand_scores, axis=1)  # [B, C], position p <-> id p+1
-        # positions are already in (depth, id) order, so a stable descending
-        # sort on the score gives (score desc, depth asc, id asc)
-        ranked = _descending(scores)[:, :mm]
-        valid = np.arange(mm)[None, :] < m[:, None]
-        sel = np.where(valid, ranked, c)  # valid entries form a prefix
-        if order == "id":
-            sel = np.sort(sel, axis=1)
-        ok = sel < c
-        at = (self._batch_rows, np.minimum(sel, c - 1))
-
-        def pick(parts: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(parts, axis=1)[at]
-
-        # candidate id -> output index (root 0 -> 0; unselected -> -1)
-        inv = np.full((b, c + 2), -1, dtype=np.int64)
-        inv[:, 0] = 0
-        out_idx = np.broadcast_to(np.arange(1, mm + 1, dtype=np.int64), (b, mm))
-        inv[self._batch_rows, np.where(ok, sel + 1, c + 1)] = out_idx
-        par_out = inv[self._batch_rows, pick(self._cand_parent)]
-        depths = [np.full(x.shape, i + 1, dtype=np.int64) for i, x in enumerate(self._cand_tokens)]
-
-        def padded(first, body: np.ndarray, fill) -> Tensor:
-            out = np.full((b, width), fill, dtype=body.dtype)
-            out[:, 0] = first
-            out[:, 1 : mm + 1] = np.where(ok, body, fill)
-            return self._tensor(out)
-
-        root = self.root_tokens.cpu().numpy()
+        depth_of, row_of = self._cand_depth, self._cand_parent_row
+        ints: list[list[list[int]]] = [[], [], [], []]  # tokens, parents, depths, parent rows
+        all_scores: list[list[float]] = []
+        for i, root in enumerate(self.root_tokens.tolist()):
+            m, pad = kept[i], width - 1 - kept[i]
+            scores, tokens = self._cand_scores[i], self._cand_tokens[i]
+            parent_ids = self._cand_parent[i]
+            # positions are in (depth, id) order, so a stable descending sort on the
+            # score gives (score desc, depth asc, id asc)
+            sel = _descending(scores)[:m]
+            if order == "id":
+                sel.sort()
+            out_index = {0: 0}  # candidate id -> output index (root 0 -> 0)
+            for j, p in enumerate(sel):
+                out_index[p + 1] = j + 1
+            fill = [-1] * pad
+            ints[0].append([root] + [tokens[p] for p in sel] + fill)
+            ints[1].append([-1] + [out_index[parent_ids[p]] for p in sel] + fill)
+            ints[2].append([0] + [depth_of[p] for p in sel] + fill)
+            ints[3].append([-1] + [row_of[p] for p in sel] + fill)
+            all_scores.append([0.0] + [scores[p] for p in sel] + [NEG_INF] * pad)
+        packed = torch.tensor(ints, dtype=torch.int64, device=self.device)
         return DraftTree(
-            tokens=padded(root, pick(self._cand_tokens), -1),
-            parents=padded(-1, par_out, -1),
-            depths=padded(0, pick(depths), -1),
-            num_nodes=self._tensor(m + 1),
-            scores=padded(0.0, scores[at], -np.inf),
-            parent_row=padded(-1, pick(self._cand_parent_row), -1),
+            tokens=packed[0],
+            parents=packed[1],
+            depths=packed[2],
+            num_nodes=torch.tensor(kept, dtype=torch.int64, device=self.device) + 1,
+            scores=torch.tensor(all_scores, dtype=torch.float32, device=self.device),
+            parent_row=packed[3],
         )
 
 
-def _descending(scores: np.ndarray) -> np.ndarray:
-    """Per row, the positions by score descending, ties in position order (stable)."""
-    return np.argsort(-scores, axis=1, kind="stable")
+def _descending(scores: list[float]) -> list[int]:
+    """Positions by score descending, ties in position order (Python's sort is stable,
+    reversed too)."""
+    return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
 
 
-def _clean_host(vals: Tensor) -> np.ndarray:
-    """float32 on the host, NaN -> -inf, and at most 0, so scores never rise along a path."""
-    vals = vals.detach().float().cpu().numpy()
-    return np.minimum(np.where(np.isnan(vals), -np.inf, vals), 0.0).astype(np.float32)
+def _float32(values: list[float]) -> list[float]:
+    """``values`` rounded to float32. For a sum of two float32 numbers this is their
+    float32 sum: the float64 sum rounded again to float32 is the correctly rounded
+    result, as 53 >= 2 * 24 + 2 (double rounding is innocuous for addition)."""
+    return array("f", values).tolist()
 
 
-def _ranked_children_host(
+def _clean(value: float) -> float:
+    """NaN -> -inf, and at most 0, so scores never rise along a path."""
+    if value != value:
+        return NEG_INF
+    return 0.0 if value > 0.0 else value
+
+
+def _ranked_children(
     logprobs: Tensor, k: int, token_ids: Tensor | None
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[list[list[float]], list[list[int]]]:
     """Each row's top-``k`` (log-prob, token) in the canonical sibling order: log-prob
-    descending, then token id ascending on ties. The top-k runs in torch, the order on the
-    host; float32 log-probs and int64 tokens, ``[B, w, k]`` arrays. ``token_ids`` maps
-    columns to tokens when drafting over a reduced vocabulary."""
+    descending, then token id ascending on ties, as ``[B * w][k]`` lists of cleaned
+    log-probs and tokens. The top-k runs in torch; it orders NaN (now -inf) first and ties
+    arbitrarily, so a row is cleaned and re-sorted only where it is not already clean and
+    strictly descending. ``token_ids`` maps columns to tokens when drafting over a
+    reduced vocabulary."""
     vals, cols = torch.topk(logprobs, k, dim=-1)
     if token_ids is not None:
         cols = token_ids.to(cols.device)[cols]
-    shape = vals.shape
-    vals, tokens = _canonical_order(
-        _clean_host(vals).reshape(-1, k), cols.cpu().numpy().reshape(-1, k)
-    )
-    return vals.reshape(shape), tokens.reshape(shape)
-
-
-def _canonical_order(vals: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of a top-k (``[R, k]`` cleaned log-probs, tokens) in the canonical sibling
-    order: log-prob descending, token ascending. Top-k orders NaN (now -inf) first and
-    ties arbitrarily, so rows are re-sorted only where its order is not already that."""
-    if vals.shape[1] > 1 and bool((vals[:, 1:] >= vals[:, :-1]).any()):
-        order = np.lexsort((tokens, -vals), axis=-1)
-        at = (np.arange(order.shape[0])[:, None], order)
-        vals, tokens = vals[at], tokens[at]
+    vals, tokens = vals.reshape(-1, k).tolist(), cols.reshape(-1, k).tolist()
+    for j, row in enumerate(vals):
+        # NaN fails both tests, so a row that passes them is clean
+        if row[0] <= 0.0 and all(map(operator.gt, row, row[1:])):
+            continue
+        row = [_clean(v) for v in row]
+        if any(map(operator.le, row, row[1:])):
+            pairs = sorted(zip(row, tokens[j]), key=lambda vt: (-vt[0], vt[1]))
+            row = [v for v, _ in pairs]
+            tokens[j] = [t for _, t in pairs]
+        vals[j] = row
     return vals, tokens
 
 
@@ -387,42 +419,38 @@ def depth_one_tree(
     in the builder's order. This is the shape the sizer picks most often at batch 1, and
     here it costs a top-k and a handful of host ops: in an engine step every op runs with
     caches the target's forward emptied, so the count of ops is the cost
-    (``benchmarks/micro/builder_cost.py --cold``). The children are re-sorted into the
-    canonical order (equal log-probs by token id) only where the top-k's order is not
-    it. ``logprobs``: [B, 1, V] or [B, V], the root's draft log-probs.
+    (``benchmarks/micro/builder_cost.py --cold``). ``logprobs``: [B, 1, V] or [B, V], the
+    root's draft log-probs.
     """
     if topk < 1 or nodes < 1:
         raise ValueError(f"topk and nodes must be >= 1, got {topk}, {nodes}")
     root_tokens = root_tokens.reshape(-1).long()
     b, dev = root_tokens.shape[0], root_tokens.device
-    logprobs = logprobs.reshape(b, -1)
-    if logprobs.shape[1] < topk:
-        raise ValueError(f"vocab size {logprobs.shape[1]} < topk {topk}")
+    logprobs = logprobs.reshape(b, 1, -1)
+    if logprobs.shape[2] < topk:
+        raise ValueError(f"vocab size {logprobs.shape[2]} < topk {topk}")
     m = min(topk, nodes - 1)
     width = int(nodes)
     if m == 0:
         return root_only_tree(root_tokens, width)
-    vals, cols = torch.topk(logprobs, topk, dim=-1)  # log-prob descending
-    if token_ids is not None:
-        cols = token_ids.to(cols.device)[cols]
-    vals, tokens = _canonical_order(_clean_host(vals), cols.cpu().numpy())
-    # tokens, parents, depths and parent rows in one array: the root's parent and parent
-    # row are -1 and its depth 0; the children's parent and parent row are 0 (the root's)
-    ints = np.full((4, b, width), -1, dtype=np.int64)
-    ints[0, :, 0] = root_tokens.cpu().numpy()
-    ints[0, :, 1 : m + 1] = tokens[:, :m]
-    ints[1:, :, 1 : m + 1] = 0
-    ints[2, :, 0] = 0
-    ints[2, :, 1 : m + 1] = 1
-    scores = np.full((b, width), -np.inf, dtype=np.float32)
-    scores[:, 0] = 0.0
-    scores[:, 1 : m + 1] = vals[:, :m]
-    packed = torch.from_numpy(ints).to(dev)
+    vals, tokens = _ranked_children(logprobs, topk, token_ids)
+    # tokens, parents, depths and parent rows: the root's parent and parent row are -1
+    # and its depth 0; the children's parent and parent row are 0 (the root's)
+    pad = [-1] * (width - 1 - m)
+    children = [0] * m
+    ints = [
+        [[root] + row[:m] + pad for root, row in zip(root_tokens.tolist(), tokens)],
+        [[-1] + children + pad] * b,
+        [[0] + [1] * m + pad] * b,
+        [[-1] + children + pad] * b,
+    ]
+    scores = [[0.0] + row[:m] + [NEG_INF] * len(pad) for row in vals]
+    packed = torch.tensor(ints, dtype=torch.int64, device=dev)
     return DraftTree(
         tokens=packed[0],
         parents=packed[1],
         depths=packed[2],
         num_nodes=torch.full((b,), m + 1, dtype=torch.long, device=dev),
-        scores=torch.from_numpy(scores).to(dev),
+        scores=torch.tensor(scores, dtype=torch.float32, device=dev),
         parent_row=packed[3],
     )
