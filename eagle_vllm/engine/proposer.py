@@ -573,11 +573,14 @@ class EagleTreeProposer(StepBound, EagleProposer):
                 node_mask = torch.cat([inherited, own[None].expand(batch, -1, -1)], dim=2)
                 for shim in shims:
                     shim.mask = node_mask
+                # one position per row, contiguous: vLLM's CPU rotary kernel rotates as
+                # many rows as it is given positions, leaves the others as they are, and
+                # reads the positions as a dense array
                 positions = (root_positions[:, None] + depth).clamp(max=max_position)
                 logit_hidden, features = self.model.decode(
                     frontier.tokens.clamp(min=0).reshape(-1),
                     parent_hidden.reshape(batch * width, -1),
-                    positions.reshape(-1),
+                    positions.repeat(1, width).view(-1),
                 )
                 node_hidden = features.view(batch, width, -1)
                 expand(*self._draft_logprobs(logit_hidden, width))

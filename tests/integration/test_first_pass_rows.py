@@ -26,11 +26,17 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True, direct: bool =
     from eagle_vllm.models import direct_layer, eagle_llama
 
     roots, trees, row_counts, own_passes, direct_calls = [], [], [], [], []
+    tree_positions = []  # (the tree's root positions, a tree pass's positions, its rows)
+    in_tree = [None]
     draft_tree = proposer.EagleTreeProposer.draft_tree
 
     def recording_draft_tree(self, **kw):
         roots.append((kw["root_hidden"].clone(), kw["root_last_hidden"].clone()))
-        out = draft_tree(self, **kw)
+        in_tree[0] = kw["root_positions"].clone()
+        try:
+            out = draft_tree(self, **kw)
+        finally:
+            in_tree[0] = None
         trees.append(out[0].tokens.clone())
         return out
 
@@ -51,6 +57,8 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True, direct: bool =
 
     def counting_direct_call(self, positions, x, residual, out_rows=None):
         direct_calls.append(x.shape[0] if out_rows is None else len(out_rows))
+        if in_tree[0] is not None:
+            tree_positions.append((in_tree[0], positions.clone(), x.shape[0]))
         return direct_call(self, positions, x, residual, out_rows)
 
     monkeypatch.setattr(direct_layer.DirectLlamaLayer, "__call__", counting_direct_call)
@@ -81,7 +89,7 @@ def _run(tiny, monkeypatch, trimmed: bool, in_place: bool = True, direct: bool =
     monkeypatch.undo()
     return {"tokens": out, "roots": roots, "trees": trees, "row_counts": row_counts,
             "own_passes": own_passes, "direct_calls": direct_calls,
-            "built_at_load": built_at_load}  # fmt: skip
+            "tree_positions": tree_positions, "built_at_load": built_at_load}  # fmt: skip
 
 
 def _direct_layers_built(worker) -> bool:
@@ -142,3 +150,18 @@ def test_direct_layers_match_vllms_modules(tiny, monkeypatch):
     for (hidden_a, last_a), (hidden_b, last_b) in zip(direct["roots"], modules["roots"]):
         assert torch.equal(hidden_a, hidden_b) and torch.equal(last_a, last_b)
     assert all(torch.equal(a, b) for a, b in zip(direct["trees"], modules["trees"]))
+
+
+def test_tree_passes_give_every_row_its_position(tiny, monkeypatch):
+    """A tree pass feeds ``topk`` frontier nodes per request through the draft's layers:
+    each row needs its own position (root + depth) for the rotary embedding, passed as
+    a dense array. vLLM's CPU rotary kernel rotates as many rows as it is given
+    positions and leaves the rest unrotated; given a broadcast view, it reads past it."""
+    run = _run(tiny, monkeypatch, trimmed=True, direct=True)
+    passes = run["tree_positions"]
+    assert len(passes) > 10
+    for root_positions, positions, rows in passes:
+        assert positions.is_contiguous() and positions.numel() == rows
+        depth = positions.view(len(root_positions), -1) - root_positions[:, None]
+        assert rows > len(root_positions) and bool((depth == depth[0, 0]).all())
+        assert int(depth[0, 0]) >= 1
