@@ -555,22 +555,19 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
         max_position = self.max_model_len - 1
         node_hidden = root_hidden[:, None, :]
-        node_mask = torch.zeros(batch, 1, 0, dtype=torch.bool, device=root_hidden.device)
         with _swapped_attention(layers, shims):
             for depth in range(1, passes):
                 frontier = builder.frontier()
-                width = frontier.tokens.shape[1]
-                parent_rows = frontier.parent_frontier_index.clamp(min=0)
-                parent_hidden = torch.gather(
-                    node_hidden, 1, parent_rows[:, :, None].expand(-1, -1, node_hidden.shape[-1])
-                )
-                # Ancestors of a new node = ancestors of its parent (a node of the
-                # previous frontier) plus itself.
-                inherited = torch.gather(
-                    node_mask, 1, parent_rows[:, :, None].expand(-1, -1, node_mask.shape[-1])
-                )
-                own = torch.eye(width, dtype=torch.bool, device=node_mask.device)
-                node_mask = torch.cat([inherited, own[None].expand(batch, -1, -1)], dim=2)
+                width = frontier.width
+                if depth == 1:  # every node's parent is the root
+                    parent_hidden = node_hidden.expand(-1, width, -1)
+                else:
+                    parent_rows = frontier.parent_frontier_index[:, :, None]
+                    parent_hidden = torch.gather(
+                        node_hidden, 1, parent_rows.expand(-1, -1, node_hidden.shape[-1])
+                    )
+                # each node attends to its ancestors among the nodes fed so far, and itself
+                node_mask = frontier.ancestor_mask.to(root_hidden.device)
                 for shim in shims:
                     shim.mask = node_mask
                 # one position per row, contiguous: vLLM's CPU rotary kernel rotates as
@@ -578,7 +575,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
                 # reads the positions as a dense array
                 positions = (root_positions[:, None] + depth).clamp(max=max_position)
                 logit_hidden, features = self.model.decode(
-                    frontier.tokens.clamp(min=0).reshape(-1),
+                    frontier.tokens.reshape(-1),
                     parent_hidden.reshape(batch * width, -1),
                     positions.repeat(1, width).view(-1),
                 )

@@ -147,6 +147,23 @@ class Frontier:
         return torch.tensor(self._ancestors, dtype=torch.int64, device=self._device)
 
     @functools.cached_property
+    def ancestor_mask(self) -> Tensor:
+        """[B, w, n] bool over the ``n`` non-root rows fed to the draft so far, these
+        included (row r at index r - 1): True at the node's own row and its ancestors'
+        below the root. A tree pass's attention mask over the nodes of earlier passes."""
+        n = self._rows[-1]
+        mask = []
+        for ancestors in self._ancestors:
+            rows = []
+            for path in ancestors:
+                row = [False] * n
+                for r in path[1:]:
+                    row[r - 1] = True
+                rows.append(row)
+            mask.append(rows)
+        return torch.tensor(mask, dtype=torch.bool, device=self._device)
+
+    @functools.cached_property
     def rows(self) -> Tensor:
         """[w] int64 global row numbers of these rows (the same for every request)."""
         return torch.tensor(self._rows, dtype=torch.int64, device=self._device)

@@ -107,6 +107,11 @@ def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank"):
             dim=2,
         )
         assert torch.equal(fr.ancestor_rows, exp_anc)
+        # the tree passes' mask: row r (index r - 1) is the node or an ancestor below the root
+        seen = int(fr.rows[-1])
+        exp_mask = torch.zeros(bsz, fr.width, seen + 1, dtype=torch.bool)
+        exp_mask.scatter_(2, exp_anc, True)
+        assert torch.equal(fr.ancestor_mask, exp_mask[:, :, 1:])
         assert int(fr.rows[0]) == int(prev_rows[-1]) + 1
         prev_rows, prev_anc = fr.rows, fr.ancestor_rows
     assert tb.passes_done == passes
