@@ -57,12 +57,17 @@ def median_cold_ms(build, calls: int = 50) -> float:
 
 
 def build_tree(roots, logprobs, nodes: int, token_ids):
-    """One tree of ``len(logprobs)`` passes, as the drafter builds it."""
+    """One tree of ``len(logprobs)`` passes, as the drafter builds it: it reads each
+    frontier it feeds to a tree pass (tokens, parents, and the attention mask where the
+    builder makes it)."""
     if len(logprobs) == 1:
         return depth_one_tree(roots, logprobs[0], TOPK, nodes, token_ids)
     builder = TreeBuilder(roots, TOPK, nodes, len(logprobs))
-    for lp in logprobs:
-        builder.step(lp, token_ids)
+    for i, lp in enumerate(logprobs):
+        frontier = builder.step(lp, token_ids)
+        if i + 1 < len(logprobs):
+            frontier.tokens, frontier.parent_frontier_index  # noqa: B018
+            getattr(frontier, "ancestor_mask", None)
     return builder.finalize(pad_to=nodes)
 
 
