@@ -250,7 +250,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
         )
         # the platform's in-place attention per draft layer (None: not resolved yet)
         self._in_place_attends: list | None = None
-        self._causal_masks: dict[int, torch.Tensor] = {}
+        self._causal_masks: dict[tuple[int, int], torch.Tensor] = {}
         # each request's own tokens beside the reduced draft vocabulary (None: not used),
         # and this step's extra LM-head columns (token ids, rows, [B, E] allowed)
         self.context_vocab: ContextVocabulary | None = None
@@ -409,39 +409,51 @@ class EagleTreeProposer(StepBound, EagleProposer):
         if attends is None:
             return None
         device = target_hidden_states.device
-        starts = cad.query_start_loc_cpu[: batch + 1].to(torch.int64)
+        # The plan on the host: a decode step has a few rows per request, and in an engine
+        # step every op runs with caches the target's forward emptied.
+        starts = cad.query_start_loc_cpu[: batch + 1].tolist()
         if token_indices_to_sample is None:
-            sampled = starts[1:] - 1
+            sampled = [start - 1 for start in starts[1:]]
         else:
-            sampled = token_indices_to_sample[:batch].to("cpu", torch.int64)
-        lengths = sampled - starts[:-1] + 1  # rows kept per request (>= 1)
-        width = int(lengths.max())
-        offsets = torch.cumsum(lengths, 0) - lengths  # first kept row of each request
-        total = int(lengths.sum())
-        run_of = torch.repeat_interleave(torch.arange(batch), lengths, output_size=total)
-        kept = starts[:-1][run_of] + torch.arange(total) - offsets[run_of]  # flat rows kept
+            sampled = token_indices_to_sample[:batch].tolist()
+        lengths = [last - first + 1 for first, last in zip(starts, sampled)]  # rows kept (>= 1)
+        width = max(lengths)
+        kept: list[int] = []  # flat rows kept: each request's rows up to its sampled one
+        rows: list[int] = []  # [batch, width]: row i of run r (padding repeats the last)
+        for first, n in zip(starts, lengths):
+            offset = len(kept)
+            kept += range(first, first + n)
+            rows += [offset + min(i, n - 1) for i in range(width)]
+        total = len(kept)
+        offsets = [rows[r * width] for r in range(batch)]  # first kept row of each request
+        sample_rows = [o + n - 1 for o, n in zip(offsets, lengths)]
         # input ids shifted by one within each request; the sampled row reads the token
         # the target just sampled (set_inputs_first_pass)
-        shifted = torch.cat((target_token_ids[1:], target_token_ids[-1:]))
-        shifted[sampled.to(device)] = next_token_ids[:batch].to(shifted.dtype)
-        kept_dev = kept.to(device)
-        tokens, positions = shifted[kept_dev], target_positions[kept_dev].to(torch.int64)
-        features = target_hidden_states[kept_dev]
-        column = torch.arange(width)
-        rows = offsets[:, None] + torch.minimum(column[None], lengths[:, None] - 1)
+        next_rows = [row + 1 for row in kept]
+        for r in sample_rows:
+            next_rows[r] = kept[r]  # overwritten below
+        host = torch.tensor(kept + next_rows + rows + lengths + offsets + sample_rows)
+        host = host.to(device)
+        kept_t, next_t = host[:total], host[total : 2 * total]
+        rows_t = host[2 * total : 2 * total + batch * width].view(batch, width)
+        lengths_t, offsets_t, sample_t = host[2 * total + batch * width :].view(3, batch)
+        tokens = target_token_ids[next_t]
+        tokens[sample_t] = next_token_ids[:batch].to(tokens.dtype)
+        positions = target_positions[kept_t].to(torch.int64)
+        features = target_hidden_states[kept_t]
         plan = _RunPlan(
-            rows=rows.to(device),
-            num_rows=lengths.to(device),
+            rows=rows_t,
+            num_rows=lengths_t,
             blocks=cad.block_table_tensor[:batch].to(torch.int64),
-            prefix_len=target_positions[starts[:-1].to(device)].to(torch.int64),
-            allowed=self._causal(width, device).expand(batch, -1, -1).contiguous(),
-            slots=cad.slot_mapping[kept_dev].to(torch.int64),
+            prefix_len=positions[offsets_t],
+            allowed=self._causal(batch, width, device),
+            slots=cad.slot_mapping[kept_t].to(torch.int64),
         )
         shims = [
             _RunAttention(layer.self_attn.attn, attend, plan, self.platform)
             for layer, attend in zip(layers, attends)
         ]
-        sample_rows = (offsets + lengths - 1).to(device)
+        sample_rows = sample_t
         if not drafting:  # only the KV is wanted: the last layer stops once it is written
             shims[-1].kv_only = True
         # layers run directly take the rows themselves (decode's out_rows)
@@ -454,12 +466,12 @@ class EagleTreeProposer(StepBound, EagleProposer):
         empty = target_hidden_states[:0]  # only the KV was written
         return empty, empty, positions[:0]
 
-    def _causal(self, width: int, device) -> torch.Tensor:
-        """``[width, width]`` bool lower triangle (kept per width)."""
-        mask = self._causal_masks.get(width)
+    def _causal(self, batch: int, width: int, device) -> torch.Tensor:
+        """``[batch, width, width]`` bool lower triangles (kept per shape; read only)."""
+        mask = self._causal_masks.get((batch, width))
         if mask is None:
-            mask = torch.ones(width, width, dtype=torch.bool, device=device).tril_()
-            self._causal_masks[width] = mask
+            mask = torch.ones(batch, width, width, dtype=torch.bool, device=device).tril_()
+            self._causal_masks[(batch, width)] = mask
         return mask
 
     def _sampling_temperatures(
