@@ -31,6 +31,7 @@ One code path serves both methods; a chain is a tree with ``topk = 1``. ``propos
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,30 @@ class _RunAttention(nn.Module):
         )  # fmt: skip
 
 
+class _NodeBuffers:
+    """One draft layer's tree-pass buffers, kept across steps: each a flat tensor grown to
+    the largest shape asked for, handed out as a contiguous view of its first elements."""
+
+    def __init__(self, dtype: torch.dtype, device) -> None:
+        self.dtype, self.device = dtype, device
+        self._flat: dict[str, torch.Tensor] = {}
+        self._rows = torch.arange(0, device=device)
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel:
+            dtype = torch.bool if name == "allowed" else self.dtype
+            flat = self._flat[name] = torch.zeros(numel, dtype=dtype, device=self.device)
+        return flat[:numel].view(shape)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """``arange(n)``."""
+        if self._rows.numel() < n:
+            self._rows = torch.arange(n, device=self.device)
+        return self._rows[:n]
+
+
 class _InPlaceTreeNodeAttention(nn.Module):
     """``_TreeNodeAttention`` over the prefix read in place from the paged cache
     (``TreePlatform.prefix_attention``): nothing is gathered. The nodes' queries, K/V
@@ -143,19 +168,21 @@ class _InPlaceTreeNodeAttention(nn.Module):
     the queries, the earlier ones keys only."""
 
     def __init__(self, attn: nn.Module, attend, blocks, prefix_lens, batch: int, capacity: int,
-                 dtype: torch.dtype):  # fmt: skip
+                 buffers: _NodeBuffers):  # fmt: skip
         super().__init__()
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_size, self.scale = attn.head_size, attn.impl.scale
         self.attend, self.blocks, self.prefix_lens = attend, blocks, prefix_lens
         self.count, self.capacity = 0, max(capacity, 1)
         self.mask: torch.Tensor | None = None
-        n, d, device = self.capacity, self.head_size, blocks.device
-        self.query = torch.zeros(batch, n, self.num_heads, d, dtype=dtype, device=device)
-        self.key = torch.zeros(batch, n, self.num_kv_heads, d, dtype=dtype, device=device)
-        self.value = torch.zeros_like(self.key)
-        self.allowed = torch.zeros(batch, n, n, dtype=torch.bool, device=device)
-        self.rows = torch.arange(batch * n, device=device).view(batch, n)
+        n, d = self.capacity, self.head_size
+        # the platform reads rows < the nodes fed so far only (``prefix_attention``), so
+        # the buffers are reused from step to step without clearing
+        self.query = buffers.take("query", (batch, n, self.num_heads, d))
+        self.key = buffers.take("key", (batch, n, self.num_kv_heads, d))
+        self.value = buffers.take("value", (batch, n, self.num_kv_heads, d))
+        self.allowed = buffers.take("allowed", (batch, n, n))
+        self.rows = buffers.rows(batch * n).view(batch, n)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.mask is not None
@@ -250,6 +277,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
         )
         # the platform's in-place attention per draft layer (None: not resolved yet)
         self._in_place_attends: list | None = None
+        # each draft layer's tree-pass buffers (_InPlaceTreeNodeAttention), kept across steps
+        self._node_buffers: list[_NodeBuffers] = []
         self._causal_masks: dict[tuple[int, int], torch.Tensor] = {}
         # each request's own tokens beside the reduced draft vocabulary (None: not used),
         # and this step's extra LM-head columns (token ids, rows, [B, E] allowed)
@@ -692,11 +721,13 @@ class EagleTreeProposer(StepBound, EagleProposer):
         if attends is not None:
             blocks = block_table.to(torch.int64)
             prefix_lens = prefix_lens.to(torch.int64)
+            while len(self._node_buffers) < len(layers):
+                self._node_buffers.append(_NodeBuffers(self.dtype, blocks.device))
             return [
                 _InPlaceTreeNodeAttention(
-                    layer.self_attn.attn, attend, blocks, prefix_lens, batch, capacity, self.dtype
+                    layer.self_attn.attn, attend, blocks, prefix_lens, batch, capacity, buffers
                 )
-                for layer, attend in zip(layers, attends)
+                for layer, attend, buffers in zip(layers, attends, self._node_buffers)
             ]
         max_prefix = max(1, int(prefix_lens.max()))
         shims = []
