@@ -647,6 +647,9 @@ def test_an_eagle1_run_reads_an_eagle3_feature_cache(tmp_path):
     other = [TokenizedConversation(c.input_ids.flip(0), c.loss_mask) for c in convs]
     with pytest.raises(ValueError, match="other data.*Fix"):
         extract_features(target, other, tmp_path, progress=False)
+    # features a bf16 forward computed are not mixed with fp32 ones
+    with pytest.raises(ValueError, match="compute dtype.*Fix"):
+        extract_features(target, convs, tmp_path, compute_dtype="bfloat16", progress=False)
 
 
 def test_warm_start_of_an_eagle1_head(tmp_path):
@@ -788,3 +791,29 @@ def test_eagle1_agreement_on_greedy_answers_is_the_validation_accuracy(tmp_path)
     assert part["in_vocab"] == pytest.approx(float(torch.isin(wanted, vocab[:keep]).float().mean()))
     assert part["val_acc_1"] <= part["recall_top3"] <= part["in_vocab"]
     assert full["val_acc_1"] < full["recall_top3"]
+
+
+def test_features_can_be_computed_in_bf16(tmp_path):
+    """--feature-compute-dtype bfloat16: the target's forward in bf16 gives the fp32 forward's
+    features to bf16 rounding, and its cache says how it was computed."""
+    from tiny_models import build_target
+
+    from eagle_vllm.train.features import extract_features, load_features
+    from eagle_vllm.train.tokenize import TokenizedConversation
+
+    target = build_target(tmp_path / "t", layers=2)
+    gen = torch.Generator().manual_seed(2)
+    convs = [TokenizedConversation(torch.randint(0, 99, (n,), generator=gen),
+                                   torch.ones(n, dtype=torch.bool)) for n in (7, 12)]  # fmt: skip
+    fp32 = load_features(extract_features(target, convs, tmp_path / "fp32", progress=False))
+    bf16 = load_features(
+        extract_features(
+            target, convs, tmp_path / "bf16", compute_dtype="bfloat16", progress=False
+        )  # fmt: skip
+    )
+    for a, b in zip(fp32, bf16):
+        assert not torch.equal(a.hidden, b.hidden)  # computed, not copied
+        error = (b.hidden.float() - a.hidden.float()).norm() / a.hidden.float().norm()
+        assert error < 0.06, error  # a few percent: bf16 rounding through the layers
+    meta = json.loads((tmp_path / "bf16" / "meta.json").read_text())
+    assert meta["compute_dtype"] == "bfloat16"
