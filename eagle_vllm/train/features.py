@@ -101,8 +101,8 @@ def extract_features(
 
     ``dtype`` is the storage dtype; the target runs in ``compute_dtype``: fp32 by
     default, the features a served fp32 target gives (transformers' bf16 forward
-    measured 3.5x slower than fp32 on a CPU without AVX-512 BF16, and 1.7x faster on
-    one with it). A cache made for other data, another target or another storage or
+    measured 3.5x slower than fp32 on a CPU without AVX-512 BF16, and 1.8x faster on
+    one with it: benchmarks/micro/feature_forward.py). A cache made for other data, another target or another storage or
     compute dtype is refused rather than mixed in."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float32"],
         default="float32",
         help="dtype of the target's forward that extracts the features: float32 (the features "
-        "a served fp32 target gives), bfloat16 (rounded by bf16 forwards; 1.7x float32's "
+        "a served fp32 target gives), bfloat16 (rounded by bf16 forwards; 1.8x float32's "
         "tokens per second on a CPU with AVX-512 BF16), auto: bfloat16 on such a CPU or "
         "with AMX, float32 elsewhere",
     )
