@@ -279,7 +279,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
         self._in_place_attends: list | None = None
         # each draft layer's tree-pass buffers (_InPlaceTreeNodeAttention), kept across steps
         self._node_buffers: list[_NodeBuffers] = []
-        self._causal_masks: dict[tuple[int, int], torch.Tensor] = {}
+        self._causal_masks: dict[int, torch.Tensor] = {}
         # each request's own tokens beside the reduced draft vocabulary (None: not used),
         # and this step's extra LM-head columns (token ids, rows, [B, E] allowed)
         self.context_vocab: ContextVocabulary | None = None
@@ -496,12 +496,13 @@ class EagleTreeProposer(StepBound, EagleProposer):
         return empty, empty, positions[:0]
 
     def _causal(self, batch: int, width: int, device) -> torch.Tensor:
-        """``[batch, width, width]`` bool lower triangles (kept per shape; read only)."""
-        mask = self._causal_masks.get((batch, width))
-        if mask is None:
+        """``[batch, width, width]`` bool lower triangles (read only): the first ``batch`` of
+        one tensor per width, grown to the largest batch asked for."""
+        mask = self._causal_masks.get(width)
+        if mask is None or mask.shape[0] < batch:
             mask = torch.ones(batch, width, width, dtype=torch.bool, device=device).tril_()
-            self._causal_masks[(batch, width)] = mask
-        return mask
+            self._causal_masks[width] = mask
+        return mask[:batch]
 
     def _sampling_temperatures(
         self, req_ids: list[str], sampling_metadata, step: StepState
