@@ -455,19 +455,19 @@ class EagleTreeProposer(StepBound, EagleProposer):
             rows += [offset + min(i, n - 1) for i in range(width)]
         total = len(kept)
         offsets = [rows[r * width] for r in range(batch)]  # first kept row of each request
-        sample_rows = [o + n - 1 for o, n in zip(offsets, lengths)]
+        last_rows = [o + n - 1 for o, n in zip(offsets, lengths)]  # the sampled rows
         # input ids shifted by one within each request; the sampled row reads the token
         # the target just sampled (set_inputs_first_pass)
         next_rows = [row + 1 for row in kept]
-        for r in sample_rows:
+        for r in last_rows:
             next_rows[r] = kept[r]  # overwritten below
-        host = torch.tensor(kept + next_rows + rows + lengths + offsets + sample_rows)
+        host = torch.tensor(kept + next_rows + rows + lengths + offsets + last_rows)
         host = host.to(device)
         kept_t, next_t = host[:total], host[total : 2 * total]
         rows_t = host[2 * total : 2 * total + batch * width].view(batch, width)
-        lengths_t, offsets_t, sample_t = host[2 * total + batch * width :].view(3, batch)
+        lengths_t, offsets_t, sample_rows = host[2 * total + batch * width :].view(3, batch)
         tokens = target_token_ids[next_t]
-        tokens[sample_t] = next_token_ids[:batch].to(tokens.dtype)
+        tokens[sample_rows] = next_token_ids[:batch].to(tokens.dtype)
         positions = target_positions[kept_t].to(torch.int64)
         features = target_hidden_states[kept_t]
         plan = _RunPlan(
@@ -482,7 +482,6 @@ class EagleTreeProposer(StepBound, EagleProposer):
             _RunAttention(layer.self_attn.attn, attend, plan, self.platform)
             for layer, attend in zip(layers, attends)
         ]
-        sample_rows = sample_t
         if not drafting:  # only the KV is wanted: the last layer stops once it is written
             shims[-1].kv_only = True
         # layers run directly take the rows themselves (decode's out_rows)
@@ -609,7 +608,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
                         node_hidden, 1, parent_rows.expand(-1, -1, node_hidden.shape[-1])
                     )
                 # each node attends to its ancestors among the nodes fed so far, and itself
-                node_mask = frontier.ancestor_mask.to(root_hidden.device)
+                node_mask = frontier.ancestor_mask
                 for shim in shims:
                     shim.mask = node_mask
                 # one position per row, contiguous: vLLM's CPU rotary kernel rotates as

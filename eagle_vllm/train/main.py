@@ -31,6 +31,9 @@ from pathlib import Path
 
 from eagle_vllm.train.trainer import TrainConfig
 
+# --regen-dtype and --feature-compute-dtype (auto: bf16 where the CPU multiplies in it)
+COMPUTE_DTYPES = ["auto", "bfloat16", "float32"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model folder (HF layout)")
@@ -90,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-temperature", type=float, default=0.0)
     p.add_argument(
         "--regen-dtype",
-        choices=["auto", "bfloat16", "float32"],
+        choices=COMPUTE_DTYPES,
         default="float32",
         help="dtype of the regeneration run; auto: bfloat16 on a CPU with AVX-512 BF16 or "
         "AMX (1.7x float32's tokens per second on one), float32 elsewhere (faster "
@@ -100,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument(
         "--feature-compute-dtype",
-        choices=["auto", "bfloat16", "float32"],
+        choices=COMPUTE_DTYPES,
         default="float32",
         help="dtype of the target's forward that extracts the features: float32 (the features "
         "a served fp32 target gives), bfloat16 (rounded by bf16 forwards; 1.8x float32's "
@@ -181,7 +184,8 @@ def _conversations(args) -> list[list[dict]]:
         return convs  # evaluation sets not installed: nothing to exclude
 
 
-def _regen_dtype(choice: str) -> str:
+def _compute_dtype(choice: str) -> str:
+    """A --regen-dtype or --feature-compute-dtype choice, with auto resolved for this CPU."""
     if choice != "auto":
         return choice
     from eagle_vllm.config import cpu_has_bf16_gemm
@@ -246,7 +250,7 @@ def run(args: argparse.Namespace) -> Path:
     else:
         convs = _conversations(args)
         regen = dict(max_tokens=args.regen_max_tokens, temperature=args.regen_temperature,
-                     seed=args.seed, dtype=_regen_dtype(args.regen_dtype))  # fmt: skip
+                     seed=args.seed, dtype=_compute_dtype(args.regen_dtype))  # fmt: skip
         if args.regenerate and args.regenerate_turns == "all":
             from eagle_vllm.train.regenerate import regenerate_conversations
 
@@ -290,7 +294,7 @@ def run(args: argparse.Namespace) -> Path:
         examples,
         args.features_dir or out / "features",
         dtype=args.feature_dtype,
-        compute_dtype=_regen_dtype(args.feature_compute_dtype),
+        compute_dtype=_compute_dtype(args.feature_compute_dtype),
         layers=layers,
     )
     config = TrainConfig(

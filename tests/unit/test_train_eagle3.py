@@ -730,15 +730,15 @@ def test_train_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
     assert not out.exists()  # refused before anything was written
 
 
-def test_regen_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
+def test_compute_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
     from eagle_vllm import config
-    from eagle_vllm.train.main import _regen_dtype
+    from eagle_vllm.train.main import _compute_dtype
 
     monkeypatch.setattr(config, "cpu_has_bf16_gemm", lambda: True)
-    assert _regen_dtype("auto") == "bfloat16"
+    assert _compute_dtype("auto") == "bfloat16"
     monkeypatch.setattr(config, "cpu_has_bf16_gemm", lambda: False)
-    assert _regen_dtype("auto") == "float32"
-    assert _regen_dtype("bfloat16") == "bfloat16" and _regen_dtype("float32") == "float32"
+    assert _compute_dtype("auto") == "float32"
+    assert _compute_dtype("bfloat16") == "bfloat16" and _compute_dtype("float32") == "float32"
 
 
 def test_eagle1_agreement_on_greedy_answers_is_the_validation_accuracy(tmp_path):
