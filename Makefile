@@ -11,6 +11,11 @@ EXTRAS ?= cpu,test,train
 TRITON_VERSION := 3.7.1
 TRITON_PKGS := .triton-pkgs
 
+# $(call engine_env,KV_GIB): the environment vLLM's CPU engine runs under here: its KV
+# cache space, its OpenMP threads bound to every core, Intel's OpenMP preloaded
+engine_env = VLLM_CPU_KVCACHE_SPACE=$(1) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
+	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so
+
 .PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
@@ -58,8 +63,7 @@ bench:
 	# eagle2-auto starts from a sizing profile measured on this machine (MT-bench second
 	# turns, so the timed first turns stay out of it), as a user would serve it
 	# (the same thread binding, OpenMP and KV cache space as bench.py gives its systems)
-	VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(call engine_env,4) \
 	$(PY) -m eagle_vllm calibrate --target models/SmolLM2-135M-Instruct \
 		--config configs/eagle2-auto.yaml --prompts mtbench-turn2 --concurrency 1,4,16,64 \
 		--dtype float32 --enforce-eager --out benchmarks/results/sizing-profile-cpu.json \
@@ -112,8 +116,7 @@ reference-head:
 	test -f $(REF_HEAD_STAGE1)/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl $(REF_HEAD_STAGE1)/
 	test -f $(REF_HEAD_STAGE1)/model.safetensors || for steps in $(REF_HEAD_STEPS); do { \
-	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(call engine_env,$(REGEN_KV_GIB)) \
 	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD_STAGE1) \
 		--data sharegpt --num-conversations 4736 --max-len 1024 \
 		--regenerate --regen-dtype bfloat16 --feature-dtype float32 \
@@ -206,9 +209,9 @@ feature-compute-ab:
 		$(VENV)/bin/eagle-vllm train $(FCD_ARGS) --out $$eval_out \
 			--features-dir $(FCD_OUT)-$$feats/features --feature-compute-dtype $$feats \
 			--evaluate-only --init-from $(FCD_OUT)-$$head \
-			2>&1 | tail -1 | tee -a $(FCD_OUT)-cross.log || exit 1; done
-	VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+			2>&1 | tail -1 | tee -a $(FCD_OUT)-cross.log; \
+		tail -1 $(FCD_OUT)-cross.log | grep -q '^{"evaluated"' || exit 1; done
+	$(call engine_env,4) \
 	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
 		--heads $(FCD_OUT)-float32,$(FCD_OUT)-bfloat16 \
 		--out benchmarks/results/head-agreement-feature-compute-cpu
@@ -325,8 +328,7 @@ regen-data:
 	mkdir -p $(REGEN_OUT)
 	test -f $(REGEN_OUT)/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl $(REGEN_OUT)/
-	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(call engine_env,$(REGEN_KV_GIB)) \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct --out $(REGEN_OUT) \
 		--data sharegpt --num-conversations 6000 --max-len 1024 --regenerate \
 		--regenerate-only --regen-max-tokens 320 --regen-dtype bfloat16 --seed 0 \
@@ -352,8 +354,7 @@ TURNS_DATA := data/regen-sharegpt-turns
 regen-data-turns:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
 	mkdir -p artifacts
-	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(call engine_env,$(REGEN_KV_GIB)) \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
 		--out artifacts/regen-sharegpt-turns \
 		--data sharegpt --num-conversations 20000 --max-len 2048 --regenerate \
@@ -371,8 +372,7 @@ regen-data-evals:
 	$(VENV)/bin/python -c "import importlib.util as u; exit(u.find_spec('evals') is None)" || \
 		$(PIP) install --quiet --no-deps evals==3.0.1.post1
 	mkdir -p artifacts
-	VLLM_CPU_KVCACHE_SPACE=$(REGEN_KV_GIB) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
-	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so \
+	$(call engine_env,$(REGEN_KV_GIB)) \
 	$(VENV)/bin/eagle-vllm train --target models/SmolLM2-135M-Instruct \
 		--out artifacts/regen-evals \
 		--data evals --num-conversations 30000 --max-len 2048 --regenerate \
