@@ -371,6 +371,7 @@ def add_cprofile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", choices=CPROFILE_SYSTEMS, default="off")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--save", default=None, help="also write the raw profile here (pstats)")
     p.add_argument("--callees", nargs="*", default=[],
@@ -388,7 +389,9 @@ def cprofile(args, argv: list[str] | None) -> int:
 
     llm = in_process_engine(args.system, args, args.concurrency)
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())[: args.concurrency]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
+    )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up (and prefix cache)
 
     profile = cProfile.Profile()
@@ -481,6 +484,9 @@ def add_arms_args(p: argparse.ArgumentParser) -> None:
         "more keep --concurrency in flight, a new one starting as one ends)",
     )
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the timed requests (T > 0: the sizer's "
+                        "sampled mode, verification by rejection sampling)")  # fmt: skip
     p.add_argument("--reps", type=int, default=2)
     add_model_args(p)
     p.add_argument("--profile", nargs="*", default=[], help="arms to profile (torch.profiler)")
@@ -526,7 +532,9 @@ def arms(args, argv: list[str] | None) -> int:
             f"the sizer's arms for this config: {' '.join(f'{d},{m}' for d, m in known)}"
         )
     prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
+    )
     llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "

@@ -14,6 +14,10 @@ garbage collection, another tenant). They are kept per mode of the batch: ``gree
 when no request samples, ``sampled`` when any does (verification at T > 0 computes
 probabilities for every node). A cost not yet measured in a mode is the other mode's,
 scaled by how the two compare where both are measured.
+
+The verify costs of one batch size are fitted together (``monotone_verify_costs``): a
+bigger tree never costs less, and the windows' spread measures the machine's noise,
+which sets how much gain the sizer needs before it starts drafting (``policy.py``).
 """
 
 from __future__ import annotations
@@ -48,23 +52,35 @@ class Samples:
     def __init__(self, window: int):
         self.samples: deque[float] = deque(maxlen=window)
         self.last_step = -1
-        self._median: float | None = None  # read every step, changed once per step at most
+        # read every step, changed once per step at most
+        self._median: float | None = None
+        self._deviation: float | None = None
 
     def add(self, seconds: float, step: int) -> None:
         self.samples.append(seconds)
         self.last_step = step
-        self._median = None
+        self._median = self._deviation = None
 
     def keep_last(self, n: int) -> None:
         while len(self.samples) > n:
             self.samples.popleft()
-        self._median = None
+        self._median = self._deviation = None
 
     @property
     def value(self) -> float:
         if self._median is None:
             self._median = statistics.median(self.samples)
         return self._median
+
+    @property
+    def relative_deviation(self) -> float:
+        """The samples' median absolute deviation from their median, relative to it."""
+        if self._deviation is None:
+            median = self.value
+            self._deviation = statistics.median(
+                abs(x / median - 1.0) if median > 0 else 0.0 for x in self.samples
+            )
+        return self._deviation
 
 
 class CostModel:
@@ -140,6 +156,14 @@ class CostModel:
         """One kind of cost in ``mode``: the exact batch size's samples where measured,
         else its bucket's (batch sizes not seen yet, and a calibration profile's
         buckets); else the other mode's, scaled by the modes' measured ratio."""
+        found = self._window(batch_size, kind, size, mode)
+        return None if found is None else found[0] * found[1].value
+
+    def _window(
+        self, batch_size: int, kind: str, size: int, mode: str
+    ) -> tuple[float, Samples] | None:
+        """``kind_cost``'s window: (scale, samples); the cost is ``scale`` times their
+        median (the scale: the machine's drift since a profile, the modes' ratio)."""
         bucket = batch_bucket(batch_size)
         for found_in in (mode, other_mode(mode)):
             samples = self.exact[found_in][kind].get((batch_size, size))
@@ -148,10 +172,10 @@ class CostModel:
                 break
         else:
             return None
-        value = self.scaled(samples, kind, bucket)
+        scale = self.scaled(samples, kind, bucket) / max(samples.value, 1e-12)
         if found_in != mode and (ratio := self.mode_ratio.get((mode, kind, bucket))):
-            value *= ratio.value
-        return value
+            scale *= ratio.value
+        return scale, samples
 
     def arm_costs(
         self, batch_size: int, mode: str, arms: list[tuple[int, int]]
@@ -160,19 +184,26 @@ class CostModel:
         the verify cost per tree size they were built from.
 
         Each distinct size's cost is looked up once (this runs every step, on the
-        critical path of batch 1), and verify and draft costs are made non-decreasing in
-        the size: a bigger tree, or more passes, never costs less. Each size is measured
-        alone, at its own times, on a noisy machine; taken as measured, a 6-node verify
-        can read cheaper than a 4-node one, and the sizer would pick two passes of 6
-        nodes over one pass of 4 for a cost the 6-node tree cannot have."""
-        verify = _non_decreasing(
-            {m: self.kind_cost(batch_size, "verify", m, mode) for m in self.tree_sizes}
-        )
+        critical path of batch 1). A bigger tree, or more passes, never costs less: verify
+        costs are the non-decreasing fit of every size's samples
+        (``monotone_verify_costs``), draft costs made non-decreasing in passes. Each size
+        is measured alone, at its own times, on a noisy machine; taken as measured, a
+        6-node verify can read cheaper than a 4-node one, and the sizer would pick two
+        passes of 6 nodes over one pass of 4 for a cost the 6-node tree cannot have."""
+        return self.arm_costs_and_spread(batch_size, mode, arms)[:2]
+
+    def arm_costs_and_spread(
+        self, batch_size: int, mode: str, arms: list[tuple[int, int]]
+    ) -> tuple[dict[tuple[int, int], float], dict[int, float], float]:
+        """``arm_costs``, and the relative standard error of a tree's predicted cost
+        against no drafts' (``monotone_verify_costs``; 0 until both have a few samples)."""
+        windows = {m: self._window(batch_size, "verify", m, mode) for m in self.tree_sizes}
+        verify, spread = monotone_verify_costs(windows)
         draft = _non_decreasing(
             {d: self.kind_cost(batch_size, "draft", d, mode) for d in self.pass_counts}
         )
         costs = {(d, m): verify[m] + draft[d] for d, m in arms if m in verify and d in draft}
-        return costs, verify
+        return costs, verify, spread
 
     def resume_cost(self, batch_size: int, mode: str, off: float | None) -> float:
         """What resuming drafting costs beyond a drafts-off step at this batch size (0
@@ -248,6 +279,64 @@ def verify_slope(verify: dict[int, float]) -> float:
         return 0.0
     (m_lo, c_lo), (m_hi, c_hi) = span[0], span[-1]
     return 0.5 * max(c_hi - c_lo, 0.0) / (m_hi - m_lo)
+
+
+# Samples a window needs before its spread counts (``monotone_verify_costs``): a
+# profile's seed is one sample, and the spread of two says little.
+MIN_SPREAD_SAMPLES = 3
+
+
+def monotone_verify_costs(
+    windows: dict[int, tuple[float, Samples] | None],
+) -> tuple[dict[int, float], float]:
+    """Verify costs per tree size (1: no drafts) from every size's window (``(scale,
+    samples)``: the cost is ``scale`` times the samples' median; None: unmeasured, left
+    out), and the relative standard error of a tree's cost against no drafts'.
+
+    The costs are the least-squares non-decreasing fit of the windows' medians, weighted
+    by their sample counts (pool-adjacent-violators): a bigger tree never costs less,
+    and where a size reads cheaper than a smaller one, the two are pooled into their
+    weighted mean. Raising the dip to the smaller size's cost instead keeps every
+    stray slow sample and drops every lucky fast one, and a shape assumed for the
+    costs (a line) misprices the sizes off it: verifying is memory-bound for few
+    tokens and compute-bound beyond.
+
+    The standard error: the machine's noise, as the median over the windows of
+    ``MIN_SPREAD_SAMPLES`` or more of their samples' relative deviation from their
+    own median (robust to a stray slow step; 1.4826 times it is a normal sigma), taken
+    as 1.25 sigma / sqrt(n) for a median, for no drafts' window and the fullest tree
+    window (the arm in use) together; 0 until both are measured."""
+    sizes, medians, counts, deviations = [], [], [], []
+    for size, window in sorted(windows.items()):
+        if window is None:
+            continue
+        scale, samples = window
+        sizes.append(size)
+        medians.append(scale * samples.value)
+        counts.append(len(samples.samples))
+        if counts[-1] >= MIN_SPREAD_SAMPLES:
+            deviations.append(samples.relative_deviation)
+    costs = dict(zip(sizes, _pool_adjacent_violators(medians, counts)))
+    n_off = counts[0] if sizes and sizes[0] <= 1 else 0
+    n_tree = max((n for size, n in zip(sizes, counts) if size > 1), default=0)
+    if min(n_off, n_tree) < MIN_SPREAD_SAMPLES:
+        return costs, 0.0
+    sigma = 1.4826 * statistics.median(deviations)
+    return costs, 1.25 * sigma * math.sqrt(1.0 / n_off + 1.0 / n_tree)
+
+
+def _pool_adjacent_violators(values: list[float], weights: list[int]) -> list[float]:
+    """The weighted least-squares non-decreasing sequence nearest ``values``."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, float(max(weight, 1)), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + length
+    return [mean for mean, _, length in blocks for _ in range(length)]
 
 
 def _non_decreasing(costs: dict[int, float | None]) -> dict[int, float]:

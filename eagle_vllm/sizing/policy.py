@@ -16,6 +16,11 @@ The terms of the policy, a bandit over tree sizes:
 * a **probe** is the exploration of the other side, alternating with the stalest arm:
   the smallest tree while no drafts wins (keeps acceptance measured), no drafts while a
   tree wins (keeps its cost current), the fresh sample joining the probe's two latest.
+  No drafts is also probed at once, the first time a tree wins in a batch bucket and
+  mode where its cost is known only from a calibration profile or from the other mode:
+  every tree is judged against it, and a stale or noisy profile figure (SmolLM2 on CPU:
+  a drafts-off step at 4 sampled requests profiled at 51 ms, measured at 41-46) would
+  otherwise decide every step until the periodic probe.
 
 Explorations have a budget: each step earns ``explore_budget`` (5%) of the best arm's
 cost, and an arm is explored only if its extra cost over the best arm (measured, or
@@ -27,7 +32,10 @@ drafting and half that to keep drafting: a band, so a near tie does not flip the
 sizer every few steps. Predictions for trees come out optimistic (prefill steps, the
 steps around a switch and a new load's acceptance are not in them; SmolLM2 on CPU: a
 predicted tie at 4 requests runs at 0.88-0.93x vanilla end to end) and a near tie is
-the machine's noise.
+the machine's noise. Where the measured costs are noisier than the margin covers, it
+widens to ``SPREAD_Z`` standard errors of the predicted cost difference
+(``costs.monotone_verify_costs``): on a busy machine a gain the samples cannot tell
+from noise does not start drafting.
 
 ``choose`` is a pure function of its arguments and the measured state: it returns a
 ``Decision``, and ``commit`` applies the decision's bookkeeping (exploration credit and
@@ -57,6 +65,10 @@ PROFILE_COST_KEYS = ("verify_seconds", "draft_seconds", "verify_seconds_sampled"
                      "draft_seconds_sampled")  # fmt: skip
 
 Arm = tuple[int, int]
+# The margin to start drafting is at least this many standard errors of the predicted
+# cost difference between a tree and no drafts (half of it to keep drafting): one-sided,
+# a tree that does not pay starts drafting on noise about 2% of the time.
+SPREAD_Z = 2.0
 # A calibration sweep visits an arm again only while it is within this much of the best
 # arm's predicted throughput (``TreeSizer._next_swept``).
 SWEEP_CLEAR_LOSS = 0.25
@@ -152,6 +164,8 @@ class TreeSizer:
         self._repeat: Arm | None = None
         self._explore_credit = 0.0
         self._credit_cap = math.inf  # the most credit that can build up
+        # (mode, bucket) where no drafts has been probed (``choose``'s first probe)
+        self._off_probed: set[tuple[str, int]] = set()
         self.last_decision: Decision | None = None
         self.history: list[tuple[int, int, int]] = []  # (batch, d, m), last 4096 choices
         self.pinned: Arm | None = None  # benchmarks: every step runs this arm
@@ -279,16 +293,23 @@ class TreeSizer:
 
     def _clearly_loses(self, batch_size: int, num_sampled: int, arm: Arm) -> bool:
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
-        _, _, rates = self._predicted_rates(batch_size, share)
+        rates = self._predicted_rates(batch_size, share)[2]
         return arm in rates and rates[arm] * (1.0 + SWEEP_CLEAR_LOSS) < max(rates.values())
 
     def _predicted_rates(self, batch_size: int, share: float):
-        """Every measured arm's cost, the verify costs they were built from, and its
-        predicted tokens per second, for a batch of which ``share`` samples."""
+        """Every measured arm's cost, the verify costs they were built from, its
+        predicted tokens per second, for a batch of which ``share`` samples, and the
+        relative standard error of a tree's cost against no drafts'."""
         mode = SAMPLED if share > 0 else GREEDY
-        costs, verify = self.costs.arm_costs(batch_size, mode, self.arms)
+        costs, verify, spread = self.costs.arm_costs_and_spread(batch_size, mode, self.arms)
         rates = {a: self.expected_tokens(a, share) / max(c, 1e-9) for a, c in costs.items()}
-        return costs, verify, rates
+        return costs, verify, rates, spread
+
+    def start_margin(self, spread: float) -> float:
+        """The predicted gain over no drafts that starts drafting (half of it keeps it):
+        ``speculation_margin``, or ``SPREAD_Z`` standard errors of the cost difference
+        where the measurements are noisier."""
+        return max(self.speculation_margin, SPREAD_Z * spread)
 
     def choose(self, batch_size: int, num_sampled: int = 0) -> Decision:
         """The next step's arm for ``batch_size`` requests, of which ``num_sampled`` sample
@@ -296,7 +317,7 @@ class TreeSizer:
         step = self.steps + 1
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
         mode = SAMPLED if share > 0 else GREEDY
-        costs, verify, rates = self._predicted_rates(batch_size, share)
+        costs, verify, rates, spread = self._predicted_rates(batch_size, share)
         base = costs.get(self._last_best) or costs.get(OFF)
         ctx = _Context(
             costs=costs,
@@ -324,14 +345,26 @@ class TreeSizer:
             if explored is not None:
                 return explored
         drafting_now = self._last_best not in (None, OFF)
+        margin = self.start_margin(spread) / (2 if drafting_now else 1)
 
         def score(a):
             rate = rates[a]
             if a != OFF:  # to start drafting: +margin; to keep drafting: +margin/2
-                rate /= 1.0 + self.speculation_margin / (2 if drafting_now else 1)
+                rate /= 1.0 + margin
             return (rate, -a[1], -a[0])
 
-        return Decision(max(costs, key=score), "best", **made)
+        best = max(costs, key=score)
+        bucket = batch_bucket(batch_size)
+        if (
+            best != OFF
+            and (mode, bucket) not in self._off_probed
+            and self.costs.last_measured(mode, bucket, OFF) < 0
+        ):
+            # no drafts known only from a profile or the other mode: measure it before
+            # trusting a tree's lead over it (twice: the runner measures no drafts in a
+            # drafts-off step that follows another); the fresh sample replaces the old
+            return Decision(OFF, "probe", price=self._price(ctx, OFF), repeat=OFF, **made)
+        return Decision(best, "best", **made)
 
     def commit(self, decision: Decision) -> None:
         """Apply a decision's bookkeeping: the step count, the exploration credit and
@@ -343,6 +376,8 @@ class TreeSizer:
         if decision.kind == "best":
             self._last_best = decision.arm
         elif decision.kind in ("explore", "probe"):
+            if decision.arm == OFF:
+                self._off_probed.add((decision.mode, batch_bucket(decision.batch_size)))
             if self._last_best == OFF:  # no drafts kept winning since the last one
                 self._explore_interval = min(2 * self._explore_interval, self.max_explore_every)
             else:

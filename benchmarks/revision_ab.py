@@ -1,0 +1,137 @@
+"""One benchmark command, run against two revisions of the plugin in alternating rounds.
+
+    .venv/bin/python benchmarks/revision_ab.py --base HEAD~1 --rounds 4 \\
+        --out benchmarks/results/sizer-ab-cpu -- table --dtype float32 --batch-sizes 4,16 \\
+        --temperatures 0,1 --systems vanilla,eagle2-auto --num-prompts 4 --max-tokens 64 --reps 1
+
+The base revision is checked out in a temporary git worktree (models and the venv
+linked from this checkout); each round runs ``bench.py ARGS`` once from each tree, the
+base with its own ``eagle_vllm`` (the editable install's finder removed from its import
+path, the worktree put first), in ABBA order: a machine speeding up or slowing down
+steadily favours neither. Each run is a fresh engine per system (bench.py's own
+design), so no suffix or prefix cache outlives a run. Every run's speedups over the
+vanilla of the same run are gathered into ``OUT.md``: per condition and system, the
+median [min-max] over rounds for each revision, and their ratio. Run outputs stay in
+``OUT-runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SITECUSTOMIZE = """\
+# revision_ab.py: import eagle_vllm from the base worktree, not the editable install.
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if "editable" not in getattr(type(f), "__module__", "")
+                    and "editable" not in getattr(f, "__module__", "")]
+sys.path.insert(0, {tree!r})
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="-- then bench.py's arguments (without --out)")  # fmt: skip
+    args = parser.parse_args(argv)
+    bench_args = [a for a in args.bench_args if a != "--"]
+    if not bench_args or "--out" in bench_args:
+        raise SystemExit("error: give bench.py's arguments after --, without --out")
+    base = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "eagle_vllm"],
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    new_label = f"{head}+changes" if dirty else head
+    runs = Path(args.out + "-runs").resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="revision-ab-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree),
+                        base], check=True)  # fmt: skip
+        try:
+            for name in ("models", ".venv"):
+                (tree / name).symlink_to(ROOT / name)
+            hook = Path(tmp) / "hook"
+            hook.mkdir()
+            (hook / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tree=str(tree)))
+            trees = {"new": (ROOT, {}), "base": (tree, {"PYTHONPATH": str(hook)})}
+            for r in range(args.rounds):
+                for label in ("new", "base") if r % 2 == 0 else ("base", "new"):
+                    where, env = trees[label]
+                    out = runs / f"{label}-{r}"
+                    cmd = [sys.executable, "benchmarks/bench.py", *bench_args, "--out", str(out)]
+                    print(f"== round {r + 1} of {args.rounds}: {label}", flush=True)
+                    subprocess.run(cmd, cwd=where, env={**_environ(), **env}, check=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                           check=False)  # fmt: skip
+    md = summarize(runs, args.rounds, {"new": new_label, "base": base}, bench_args, argv)
+    Path(args.out + ".md").write_text(md)
+    print(md)
+    return 0
+
+
+def _environ() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def speedups(path: Path) -> dict[tuple, float]:
+    """(dataset, T, batch, system) -> tok/s over the same run's vanilla."""
+    rows = json.loads(path.read_text())["rows"]
+    vanilla = {(r["dataset"], r["temperature"], r["batch"]): r["tok_s"]
+               for r in rows if r["system"] == "vanilla"}  # fmt: skip
+    return {
+        (r["dataset"], r["temperature"], r["batch"], r["system"]): r["tok_s"] / vanilla[key]
+        for r in rows
+        if r["system"] != "vanilla"
+        and (key := (r["dataset"], r["temperature"], r["batch"])) in vanilla
+    }
+
+
+def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> str:
+    per = {label: [speedups(runs / f"{label}-{r}.json") for r in range(rounds)] for label in labels}
+    keys = sorted(set().union(*(s.keys() for s in per["new"])))
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+    command = " ".join([".venv/bin/python benchmarks/revision_ab.py",
+                        *(argv if argv is not None else sys.argv[1:])])  # fmt: skip
+    lines = [
+        f"# A/B: {labels['new']} against {labels['base']}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"bench.py {' '.join(bench_args)}; {rounds} rounds, ABBA; speedup over the vanilla "
+        "of the same run, median [min-max] over rounds.",
+        "",
+        f"| dataset | T | batch | system | {labels['base']} | {labels['new']} | ratio of medians |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in keys:
+        new = [s[key] for s in per["new"] if key in s]
+        old = [s[key] for s in per["base"] if key in s]
+        if not new or not old:
+            continue
+        ratio = statistics.median(new) / statistics.median(old)
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {key[3]} | {cell(old)} | "
+                     f"{cell(new)} | {ratio:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
