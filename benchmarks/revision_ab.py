@@ -89,22 +89,33 @@ def _environ() -> dict:
     return dict(os.environ)
 
 
+# the fields that name a condition in bench.py's rows: table's, then curve's
+CONDITION_FIELDS = ("dataset", "temperature", "batch", "concurrency")
+
+
 def speedups(path: Path) -> dict[tuple, float]:
-    """(dataset, T, batch, system) -> tok/s over the same run's vanilla."""
+    """(condition..., system) -> tok/s over the same run's vanilla, for ``bench.py table``
+    (dataset, T, batch) and ``bench.py curve`` (concurrency) runs."""
     rows = json.loads(path.read_text())["rows"]
-    vanilla = {(r["dataset"], r["temperature"], r["batch"]): r["tok_s"]
-               for r in rows if r["system"] == "vanilla"}  # fmt: skip
+
+    def condition(row: dict) -> tuple:
+        return tuple(row[k] for k in CONDITION_FIELDS if k in row)
+
+    vanilla = {condition(r): r["tok_s"] for r in rows if r["system"] == "vanilla"}
     return {
-        (r["dataset"], r["temperature"], r["batch"], r["system"]): r["tok_s"] / vanilla[key]
+        (*condition(r), r["system"]): r["tok_s"] / vanilla[condition(r)]
         for r in rows
-        if r["system"] != "vanilla"
-        and (key := (r["dataset"], r["temperature"], r["batch"])) in vanilla
+        if r["system"] != "vanilla" and condition(r) in vanilla
     }
 
 
 def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> str:
     per = {label: [speedups(runs / f"{label}-{r}.json") for r in range(rounds)] for label in labels}
     keys = sorted(set().union(*(s.keys() for s in per["new"])))
+    fields = [k for k in CONDITION_FIELDS if k in json.loads(
+        (runs / "new-0.json").read_text())["rows"][0]]  # fmt: skip
+    names = {"dataset": "dataset", "temperature": "T", "batch": "batch",
+             "concurrency": "requests in flight"}  # fmt: skip
 
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
@@ -119,8 +130,10 @@ def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> 
         f"bench.py {' '.join(bench_args)}; {rounds} rounds, ABBA; speedup over the vanilla "
         "of the same run, median [min-max] over rounds.",
         "",
-        f"| dataset | T | batch | system | {labels['base']} | {labels['new']} | ratio of medians |",
-        "|---|---|---|---|---|---|---|",
+        "| "
+        + " | ".join(names[f] for f in fields)
+        + f" | system | {labels['base']} | {labels['new']} | ratio of medians |",
+        "|" + "---|" * (len(fields) + 4),
     ]
     for key in keys:
         new = [s[key] for s in per["new"] if key in s]
@@ -128,8 +141,8 @@ def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> 
         if not new or not old:
             continue
         ratio = statistics.median(new) / statistics.median(old)
-        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {key[3]} | {cell(old)} | "
-                     f"{cell(new)} | {ratio:.2f} |")  # fmt: skip
+        shown = [f"{v:g}" if isinstance(v, float) else str(v) for v in key]
+        lines.append(f"| {' | '.join(shown)} | {cell(old)} | {cell(new)} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 

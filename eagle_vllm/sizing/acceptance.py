@@ -48,8 +48,8 @@ class AcceptanceStats:
     # E(d, m) for every d and m, rebuilt once after the counts change (the sizer reads it
     # for every arm, several times per step)
     _expected: list[list[float]] | None = field(init=False, default=None, repr=False)
-    # whether any node was ever tried: asked for every arm of every step (a tensor
-    # reduction each time cost the sizer about 0.1 ms a step), changed with the counts
+    # whether any node was ever tried: asked for every arm of every step, so kept with
+    # the counts instead of a tensor reduction per question
     _observed: bool | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
