@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,13 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_args = [a for a in args.bench_args if a != "--"]
     if not bench_args or "--out" in bench_args:
         raise SystemExit("error: give bench.py's arguments after --, without --out")
-    base = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "eagle_vllm"],
-                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    new_label = f"{head}+changes" if dirty else head
+    base = _git("rev-parse", "--short", args.base)
+    head = _git("rev-parse", "--short", "HEAD")
+    new_label = f"{head}+changes" if _git("status", "--porcelain", "eagle_vllm") else head
     runs = Path(args.out + "-runs").resolve()
     runs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="revision-ab-") as tmp:
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = runs / f"{label}-{r}"
                     cmd = [sys.executable, "benchmarks/bench.py", *bench_args, "--out", str(out)]
                     print(f"== round {r + 1} of {args.rounds}: {label}", flush=True)
-                    subprocess.run(cmd, cwd=where, env={**_environ(), **env}, check=True)
+                    subprocess.run(cmd, cwd=where, env={**os.environ, **env}, check=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                            check=False)  # fmt: skip
@@ -83,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _environ() -> dict:
-    import os
-
-    return dict(os.environ)
+def _git(*args: str) -> str:
+    """A git command's output in this checkout."""
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
 
 
 # the fields that name a condition in bench.py's rows: table's, then curve's
@@ -112,8 +109,8 @@ def speedups(path: Path) -> dict[tuple, float]:
 def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> str:
     per = {label: [speedups(runs / f"{label}-{r}.json") for r in range(rounds)] for label in labels}
     keys = sorted(set().union(*(s.keys() for s in per["new"])))
-    fields = [k for k in CONDITION_FIELDS if k in json.loads(
-        (runs / "new-0.json").read_text())["rows"][0]]  # fmt: skip
+    first_row = json.loads((runs / "new-0.json").read_text())["rows"][0]
+    fields = [k for k in CONDITION_FIELDS if k in first_row]
     names = {"dataset": "dataset", "temperature": "T", "batch": "batch",
              "concurrency": "requests in flight"}  # fmt: skip
 

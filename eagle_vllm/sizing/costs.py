@@ -147,10 +147,14 @@ class CostModel:
     def scaled(self, samples: Samples, kind: str, bucket: int) -> float:
         """A window's value; one holding only the profile's seed is scaled as the machine
         drifted since calibrating."""
-        value = samples.value
+        return samples.value * self._drift_factor(samples, kind, bucket)
+
+    def _drift_factor(self, samples: Samples, kind: str, bucket: int) -> float:
+        """How the machine drifted since calibrating, for a window holding only the
+        profile's seed (1 for any other)."""
         if samples.last_step < 0 and (drift := self.drift.get((kind, bucket))):
-            value *= drift.value
-        return value
+            return drift.value
+        return 1.0
 
     def kind_cost(self, batch_size: int, kind: str, size: int, mode: str) -> float | None:
         """One kind of cost in ``mode``: the exact batch size's samples where measured,
@@ -172,7 +176,7 @@ class CostModel:
                 break
         else:
             return None
-        scale = self.scaled(samples, kind, bucket) / max(samples.value, 1e-12)
+        scale = self._drift_factor(samples, kind, bucket)
         if found_in != mode and (ratio := self.mode_ratio.get((mode, kind, bucket))):
             scale *= ratio.value
         return scale, samples

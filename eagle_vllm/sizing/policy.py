@@ -317,6 +317,7 @@ class TreeSizer:
         step = self.steps + 1
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
         mode = SAMPLED if share > 0 else GREEDY
+        bucket = batch_bucket(batch_size)
         costs, verify, rates, spread = self._predicted_rates(batch_size, share)
         base = costs.get(self._last_best) or costs.get(OFF)
         ctx = _Context(
@@ -341,7 +342,7 @@ class TreeSizer:
                 if (price := self._price(ctx, arm)) <= credit:
                     return Decision(arm, "unmeasured", price=price, **made)
         if step - self._last_explore >= self._explore_interval:
-            explored = self._explore(ctx, batch_bucket(batch_size), mode, credit, cap, made)
+            explored = self._explore(ctx, bucket, mode, credit, cap, made)
             if explored is not None:
                 return explored
         drafting_now = self._last_best not in (None, OFF)
@@ -354,7 +355,6 @@ class TreeSizer:
             return (rate, -a[1], -a[0])
 
         best = max(costs, key=score)
-        bucket = batch_bucket(batch_size)
         if (
             best != OFF
             and (mode, bucket) not in self._off_probed
