@@ -9,6 +9,11 @@ vanilla pays). Only the sampling work: the target forward is not in these figure
     .venv/bin/python benchmarks/micro/verify_cost.py [--vocab 49152] [--threads 1]
     .venv/bin/python benchmarks/micro/verify_cost.py --list-walk-max-nodes 0   # tensor walk only
 
+    .venv/bin/python benchmarks/micro/verify_cost.py --vllm-draws   # vLLM's own random draws
+
+The plugin's runner gives vLLM's sampler inverse-CDF draws (``InverseCdfDraws``), so a
+step without drafts (the "no drafts" columns: vanilla vLLM's sampler, and the same with
+the plugin's draws) and the verifier's walk both draw that way unless ``--vllm-draws``.
 Prints a table of median milliseconds per call over ``--iters`` calls.
 """
 
@@ -90,6 +95,9 @@ def main() -> None:
                         help="greedy batches of at most this many nodes are walked over "
                         "Python lists (default: engine/sampler.py's; 0: always the tensor "
                         "walk, for an A/B)")  # fmt: skip
+    parser.add_argument("--vllm-draws", action="store_true",
+                        help="the verifier draws with vLLM's CPU Gumbel-max, as before the "
+                        "plugin's inverse-CDF draws (an A/B)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.list_walk_max_nodes is not None:
@@ -99,15 +107,18 @@ def main() -> None:
 
     from vllm.v1.sample.sampler import Sampler
 
-    from eagle_vllm.engine.sampler import ExactRejectionSampler
+    from eagle_vllm.engine.sampler import ExactRejectionSampler, use_inverse_cdf_draws
     from eagle_vllm.engine.step import StepRecord, StepState
 
-    sampler = Sampler()
-    verifier = ExactRejectionSampler(sampler)
+    sampler = Sampler()  # vanilla's
+    plugin_sampler = Sampler()
+    if not args.vllm_draws:
+        use_inverse_cdf_draws(plugin_sampler)
+    verifier = ExactRejectionSampler(plugin_sampler)
     gen = torch.Generator().manual_seed(0)
     modes = [("T=0", 0.0, False), ("T=1", 1.0, False), ("T=1 seeded", 1.0, True)]
     print(f"vocab {args.vocab}, {args.threads} thread(s), median of {args.iters} calls (ms)")
-    header = ["batch", "mode", "vLLM sampler, no drafts"]
+    header = ["batch", "mode", "vLLM sampler, no drafts", "plugin's sampler, no drafts"]
     header += [f"verify {d} draft{'s' if d > 1 else ''}" for d in range(1, args.max_drafts + 1)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -121,6 +132,11 @@ def main() -> None:
                 return sampler(logits.clone(), meta)
 
             row.append(f"{median_ms(plain, args.iters):.2f}")
+
+            def plugin_plain(logits=logits, meta=meta):
+                return plugin_sampler(logits.clone(), meta)
+
+            row.append(f"{median_ms(plugin_plain, args.iters):.2f}")
             for drafts in range(1, args.max_drafts + 1):
                 spec = spec_metadata(batch, drafts, args.vocab)
                 rows = torch.randn(batch * (drafts + 1), args.vocab, generator=gen) * 3

@@ -42,7 +42,11 @@ from eagle_vllm.config import eagle_config_of
 from eagle_vllm.engine import telemetry
 from eagle_vllm.engine.deferred import DeferredDrafts
 from eagle_vllm.engine.proposer import EagleTreeProposer
-from eagle_vllm.engine.sampler import ExactRejectionSampler, position_keyed_generators
+from eagle_vllm.engine.sampler import (
+    ExactRejectionSampler,
+    position_keyed_generators,
+    use_inverse_cdf_draws,
+)
 from eagle_vllm.engine.step import DraftedTrees, StepRecord, StepState
 from eagle_vllm.engine.suffix_drafts import SuffixDrafts
 from eagle_vllm.engine.timing import StepTimings
@@ -103,6 +107,8 @@ class EagleCPUModelRunner(CPUModelRunner):
                 self.suffix = SuffixDrafts(cfg.suffix, self.model_config.tokenizer)
         else:  # method suffix: vLLM built the model-free drafter (method custom_class)
             self.suffix = self.drafter.suffix
+        # every random draw, in steps with drafts and without, through one uniform per row
+        use_inverse_cdf_draws(self.sampler)
         self.rejection_sampler = ExactRejectionSampler(
             self.sampler, self.speculative_config, self.device
         )

