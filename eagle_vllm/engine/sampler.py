@@ -7,9 +7,11 @@ min-p, which vLLM 0.32's rejection sampler skips on draft positions); the
 accept/reject decision is the plugin's pure-torch verifier (``eagle_vllm.verify``),
 whose exactness is tested at the distribution level. The bonus token comes
 from vLLM's own sampler, so per-request seeds and logprobs behave as in vLLM; where
-every row's processing is temperature, min-p, top-k and top-p only, it is drawn like
-any node's token (the same sampler op, the same position-keyed seed), and only where a
-walk reaches the last node.
+every row's processing is temperature, min-p, top-k and top-p only, the walk runs over
+Python lists and processes and draws only the rows of the nodes it visits, and the
+bonus token is drawn like any node's (the same sampler op, the same position-keyed
+seed), only where a walk reaches the last node. On CPU every random draw of that
+sampler is an inverse-CDF draw (``InverseCdfDraws``) instead of vLLM's Gumbel-max.
 
 Written against vLLM 0.32 (vllm/v1/sample/rejection_sampler.py).
 """
@@ -41,10 +43,7 @@ from eagle_vllm.verify import (
     sampled_chain_verify,
     tree_verify_with_draws,
 )
-from eagle_vllm.verify.position_rng import (
-    DOMAIN_SAMPLER,
-    position_generator,
-)
+from eagle_vllm.verify.position_rng import DOMAIN_SAMPLER, position_generators
 
 # Argmax-decided batches of at most this many tree nodes (requests x widest tree) are
 # walked over Python lists: a few microseconds against the torch walk's fixed ~40 ops
@@ -53,22 +52,21 @@ LIST_WALK_MAX_NODES = 64
 
 
 class InverseCdfDraws(torch.nn.Module):
-    """vLLM's top-k/top-p sampler with each unseeded row drawn by one uniform through its
-    CDF (``verify.sample_from_probs``) instead of vLLM 0.32's CPU Gumbel-max, which hashes
-    and takes a log at every token: a 49152-token row costs 0.09 ms against 0.29 ms on a
+    """vLLM's top-k/top-p sampler with each row drawn by one uniform through its CDF
+    (``verify.sample_from_probs``) instead of vLLM 0.32's CPU Gumbel-max, which hashes and
+    takes a log at every token: a 49152-token row costs 0.09 ms against 0.29 ms on a
     2-core EPYC, 1.3 ms against 9.4 ms for 64 rows (``benchmarks/micro/verify_cost.py``).
-    Both are exact draws from the processed row. Seeded rows keep vLLM's draw, so a seed
-    gives the token vLLM's sampler gives (``verify/position_rng.py``); the processed
-    logits or logprobs a logprobs mode asks for are vLLM's."""
+    Both are exact draws from the processed row. A seeded row's uniform is the first draw
+    of its generator, so every draw of the runner's sampler (the verifier's walk, a bonus
+    token, a step without drafts) gives the same token for the same generator and row
+    (``verify/position_rng.py``). The processed logits or logprobs a logprobs mode asks
+    for are vLLM's."""
 
-    def __init__(self, vllm_draws: torch.nn.Module) -> None:
+    def __init__(self, logprobs_mode: str) -> None:
         super().__init__()
-        self.vllm_draws = vllm_draws
-        self.logprobs_mode = vllm_draws.logprobs_mode
+        self.logprobs_mode = logprobs_mode
 
     def forward(self, logits, generators, k, p) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if len(generators) == logits.shape[0]:
-            return self.vllm_draws(logits, generators, k, p)
         logits = apply_top_k_top_p(logits, k, p)
         processed = None
         if self.logprobs_mode == "processed_logits":
@@ -77,14 +75,10 @@ class InverseCdfDraws(torch.nn.Module):
             processed = logits.log_softmax(dim=-1, dtype=torch.float32)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         uniforms = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device)
-        tokens = sample_from_probs(probs, uniforms)
-        if generators:
-            rows = sorted(generators)
-            seeded, _ = self.vllm_draws(
-                logits[rows], {i: generators[r] for i, r in enumerate(rows)}, None, None
-            )
-            tokens[rows] = seeded.view(-1).to(tokens.dtype)
-        return tokens, processed
+        for row, generator in generators.items():
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator,
+                                       device=generator.device)  # fmt: skip
+        return sample_from_probs(probs, uniforms), processed
 
 
 def use_inverse_cdf_draws(sampler) -> None:
@@ -95,7 +89,7 @@ def use_inverse_cdf_draws(sampler) -> None:
         return
     if getattr(draws, "forward", None) != getattr(draws, "forward_cpu", None):
         return
-    sampler.topk_topp_sampler = InverseCdfDraws(draws)
+    sampler.topk_topp_sampler = InverseCdfDraws(draws.logprobs_mode)
 
 
 class ExactRejectionSampler(StepBound, RejectionSampler):
@@ -436,16 +430,9 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
             keyed = {}
             generators = sampling_metadata.generators
             if generators and row_positions is not None:
-                keyed = {
-                    k: position_generator(
-                        generators[b].initial_seed(),
-                        int(row_positions[rows[i]]) + 1,
-                        DOMAIN_SAMPLER,
-                        generators[b].device,
-                    )  # fmt: skip
-                    for k, (i, b) in enumerate(zip(sampled, reqs))
-                    if b in generators
-                }
+                seeded = {k: generators[b] for k, b in enumerate(reqs) if b in generators}
+                decides = row_positions[torch.tensor([rows[i] for i in sampled])] + 1
+                keyed = position_keyed_generators(seeded, decides)
             tokens, _ = self.sampler.topk_topp_sampler(processed, keyed, None, None)
             drawn[sampled] = tokens.view(-1).to("cpu", torch.int64)
         return drawn.tolist()
@@ -619,10 +606,16 @@ def _no_row_dependent_processing(m) -> bool:
 
 def position_keyed_generators(generators: dict, positions: torch.Tensor) -> dict:
     """Request b's generator replaced by one seeded from (its seed, positions[b])."""
-    return {
-        b: position_generator(g.initial_seed(), int(positions[b]), DOMAIN_SAMPLER, g.device)
-        for b, g in generators.items()
-    }
+    rows = list(generators)
+    if not rows:
+        return {}
+    made = position_generators(
+        [generators[b].initial_seed() for b in rows],
+        positions[torch.tensor(rows)],
+        DOMAIN_SAMPLER,
+        generators[rows[0]].device,
+    )  # fmt: skip
+    return dict(zip(rows, made))
 
 
 def apply_sampling_constraints(

@@ -62,7 +62,26 @@ def position_generator(
     seed: int, position: int, domain: int = DOMAIN_SAMPLER, device: str | torch.device = "cpu"
 ) -> torch.Generator:
     """A torch generator seeded from (seed, position), for samplers that take one."""
-    key = position_keys(torch.tensor([seed]), torch.tensor([[position]]), domain)
-    g = torch.Generator(device=device)
-    g.manual_seed(int(key.item()) & ((1 << 63) - 1))
-    return g
+    return position_generators([seed], [position], domain, device)[0]
+
+
+def position_generators(
+    seeds: list[int],
+    positions: list[int] | Tensor,
+    domain: int = DOMAIN_SAMPLER,
+    device: str | torch.device = "cpu",
+) -> list[torch.Generator]:
+    """:func:`position_generator` of each (seed, position) pair, the keys hashed together."""
+    if not seeds:
+        return []
+    keys = position_keys(
+        torch.tensor(seeds, dtype=torch.int64),
+        torch.as_tensor(positions, dtype=torch.int64).view(-1),
+        domain,
+    )
+    made = []
+    for key in keys.tolist():
+        generator = torch.Generator(device=device)
+        generator.manual_seed(key & ((1 << 63) - 1))
+        made.append(generator)
+    return made

@@ -1,7 +1,8 @@
 """Random draws through one uniform per row (``verify.sample_from_probs``, two-level
-inverse CDF) and the sampler glue that makes them vLLM's sampler's draws for unseeded
-rows (``engine/sampler.py``, ``InverseCdfDraws``): each token drawn with its
-probability, never a token of probability 0, and seeded rows still vLLM's own draw."""
+inverse CDF) and the sampler glue that makes them the random draws of vLLM's sampler
+in the plugin's runner (``engine/sampler.py``, ``InverseCdfDraws``): each token drawn
+with its probability, never a token of probability 0, a seeded row's uniform its
+generator's first."""
 
 from __future__ import annotations
 
@@ -74,30 +75,37 @@ from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler  # noqa: E402
 from eagle_vllm.engine.sampler import InverseCdfDraws, use_inverse_cdf_draws  # noqa: E402
 
 
-def test_unseeded_rows_follow_the_processed_row_and_seeded_rows_are_vllms_draw():
-    vllm_draws = TopKTopPSampler()
-    draws = InverseCdfDraws(vllm_draws)
-    vocab, n = 1000, 200_000
-    gen = torch.Generator().manual_seed(1)
-    row = torch.randn(vocab, generator=gen) * 2
-    top_k = 40  # processed as vLLM processes it: only the 40 largest logits stay
-    logits = row.expand(n, vocab).clone()
-    seeded = {3: torch.Generator().manual_seed(5), 17: torch.Generator().manual_seed(6)}
-    k = torch.full((n,), top_k, dtype=torch.int64)
-    tokens, processed = draws(logits, seeded, k, None)
-    assert processed is None  # raw logprobs mode: nothing processed to hand back
+def _law_test(row: torch.Tensor, top_k: int, tokens: torch.Tensor) -> float:
+    """p-value of ``tokens`` against softmax over the ``top_k`` largest logits of ``row``."""
     kept = row.topk(top_k).indices
     assert bool(torch.isin(tokens, kept).all())
     p = torch.softmax(row[kept], dim=0).double().numpy()
     index = {int(t): i for i, t in enumerate(kept)}
     observed = np.bincount([index[t] for t in tokens.tolist()], minlength=top_k)
-    assert chisquare(observed, p * n / p.sum()).pvalue > P_MIN
-    # a seeded row's token is what vLLM's sampler draws from that row with that seed
-    for r, seed in ((3, 5), (17, 6)):
-        alone, _ = vllm_draws(
-            row[None].clone(), {0: torch.Generator().manual_seed(seed)}, k[:1], None
-        )
-        assert int(tokens[r]) == int(alone[0])
+    return chisquare(observed, p * len(tokens) / p.sum()).pvalue
+
+
+def test_rows_follow_the_processed_row_and_a_seeded_row_its_generators_first_uniform():
+    draws = InverseCdfDraws("raw_logprobs")
+    vocab, n, top_k = 1000, 100_000, 40
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(vocab, generator=gen) * 2
+    k = torch.full((n,), top_k, dtype=torch.int64)
+    # every fifth row seeded, each with its own seed: over many seeds they follow the row
+    seeded = {r: torch.Generator().manual_seed(10_000 + r) for r in range(0, n, 5)}
+    tokens, processed = draws(row.expand(n, vocab).clone(), seeded, k, None)
+    assert processed is None  # raw logprobs mode: nothing processed to hand back
+    rows = torch.tensor(sorted(seeded))
+    unseeded = torch.ones(n, dtype=torch.bool)
+    unseeded[rows] = False
+    assert _law_test(row, top_k, tokens[unseeded]) > P_MIN
+    assert _law_test(row, top_k, tokens[rows]) > P_MIN
+    # a seeded row's token: the inverse CDF at its generator's first uniform
+    probs = torch.softmax(row.masked_fill(~torch.isin(torch.arange(vocab), row.topk(top_k).indices),
+                                          float("-inf")), dim=0)  # fmt: skip
+    for r in (0, 5, 995):
+        u = torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(10_000 + r))
+        assert int(tokens[r]) == int(sample_from_probs(probs[None], u.view(1))[0])
 
 
 def test_processed_logprobs_are_vllms():
@@ -105,7 +113,7 @@ def test_processed_logprobs_are_vllms():
         vllm_draws = TopKTopPSampler(logprobs_mode=mode)
         logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
         k = torch.tensor([5, 7, 300])
-        _, ours = InverseCdfDraws(vllm_draws)(logits.clone(), {}, k, None)
+        _, ours = InverseCdfDraws(mode)(logits.clone(), {}, k, None)
         _, theirs = vllm_draws(logits.clone(), {}, k, None)
         assert torch.equal(ours, theirs)
 
@@ -117,7 +125,6 @@ def test_installed_once_and_not_over_fp64_gumbel():
     use_inverse_cdf_draws(sampler)
     use_inverse_cdf_draws(sampler)
     assert isinstance(sampler.topk_topp_sampler, InverseCdfDraws)
-    assert not isinstance(sampler.topk_topp_sampler.vllm_draws, InverseCdfDraws)
     fp64 = Sampler()
     fp64.topk_topp_sampler.use_fp64_gumbel = True  # vLLM asked for fp64 noise: its own
     use_inverse_cdf_draws(fp64)

@@ -6,7 +6,12 @@ import torch
 from scipy import stats
 
 from eagle_vllm.verify import tree_verify_with_draws
-from eagle_vllm.verify.position_rng import DOMAIN_SAMPLER, position_generator
+from eagle_vllm.verify.position_rng import (
+    DOMAIN_SAMPLER,
+    position_generator,
+    position_generators,
+    position_keys,
+)
 from eagle_vllm.verify.reference import position_uniforms
 
 V = 6
@@ -26,6 +31,16 @@ def test_uniforms_are_uniform_and_independent():
     assert torch.equal(u, position_uniforms(seeds, pos))  # deterministic
     g1, g2 = position_generator(7, 11), position_generator(7, 11)
     assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+
+
+def test_generators_made_together_are_the_ones_made_alone():
+    seeds, positions = [7, 7, 12345, 2**40 + 3], [11, 12, 0, 99]
+    together = position_generators(seeds, torch.tensor(positions))
+    for generator, seed, position in zip(together, seeds, positions):
+        key = position_keys(torch.tensor([seed]), torch.tensor([[position]]), DOMAIN_SAMPLER)
+        assert generator.initial_seed() == int(key) & ((1 << 63) - 1)
+    assert len({g.initial_seed() for g in together}) == len(seeds)
+    assert position_generators([], []) == []
 
 
 def _lm(prefix: tuple[int, ...]) -> torch.Tensor:

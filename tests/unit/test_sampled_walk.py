@@ -58,7 +58,7 @@ def test_seeded_requests_get_the_tensor_walks_tokens(monkeypatch, seed):
     # drafts from a small alphabet over peaked rows, so that walks go deep
     drafts = [torch.randint(0, 2, (n,), generator=gen).tolist() for n in counts]
     logits = torch.randn(sum(counts) + batch, V, generator=gen)
-    logits[:, 0] += 4.0
+    logits[:, 0] += 6.0
     logits[:, 1] += 3.0
     parents = _random_trees(gen, counts)
     temperature = torch.rand(batch, generator=gen) + 0.3

@@ -1,8 +1,9 @@
-"""The verifier's draws are vLLM's own: a seeded request's token at a position is the
-one vLLM's sampler draws there, whether the verifier's walk, the bonus draw or a step
-without drafts decides it (engine/sampler.py; vLLM 0.32's CPU sampler draws a seed from
-the generator for a fused Gumbel-max, CUDA's an Exp(1) race, so the walk must call the
-sampler rather than copy one of them). And the walk draws at visited nodes only."""
+"""The verifier's draws are the sampler's own: a seeded request's token at a position is
+the one the runner's sampler draws there, whether the verifier's walk, the bonus draw or
+a step without drafts decides it (engine/sampler.py; vLLM 0.32's CPU sampler draws a
+seed from the generator for a fused Gumbel-max, CUDA's an Exp(1) race, and the plugin's
+runner on CPU gives it inverse-CDF draws, so the walk must call the sampler rather than
+copy one of them). And the walk draws at visited nodes only."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
 
-from eagle_vllm.engine.sampler import ExactRejectionSampler  # noqa: E402
+from eagle_vllm.engine.sampler import ExactRejectionSampler, use_inverse_cdf_draws  # noqa: E402
 from eagle_vllm.engine.step import StepRecord, StepState  # noqa: E402
 
 
@@ -74,25 +75,37 @@ def _chain(drafts: list[int]) -> SpecDecodeMetadata:
     )
 
 
-def _vllm_draw(logits_row: torch.Tensor, seed: int, position: int, **params) -> int:
-    """What vLLM's sampler draws for this row in a plain step deciding ``position``."""
+def _sampler(inverse_cdf: bool) -> Sampler:
+    sampler = Sampler()
+    if inverse_cdf:  # as the plugin's runner gives it on CPU
+        use_inverse_cdf_draws(sampler)
+    return sampler
+
+
+def _vllm_draw(
+    logits_row: torch.Tensor, seed: int, position: int, inverse_cdf: bool, **params
+) -> int:
+    """What the sampler draws for this row in a plain step deciding ``position``."""
     meta = _metadata(seed, **params)
     meta.generators[0] = position_generator(seed, position, DOMAIN_SAMPLER)
-    out = Sampler()(logits_row[None].clone(), meta)
+    out = _sampler(inverse_cdf)(logits_row[None].clone(), meta)
     return int(out.sampled_token_ids.view(-1)[0])
 
 
+@pytest.mark.parametrize("inverse_cdf", [False, True])
 @pytest.mark.parametrize("accepted", [0, 1, DRAFTS])
 @pytest.mark.parametrize("seed", [3, 11])
-def test_walk_draws_equal_vllms_plain_draws(accepted, seed):
+def test_walk_draws_equal_vllms_plain_draws(accepted, seed, inverse_cdf):
     params = dict(temperature=0.8, top_p=0.9, min_p=0.02)
     logits = torch.randn(DRAFTS + 1, V, generator=torch.Generator().manual_seed(seed)) * 2
     # node n's draw decides position FIRST_POSITION + n + 1
-    plain = [_vllm_draw(logits[n], seed, FIRST_POSITION + n + 1, **params) for n in range(4)]
+    plain = [
+        _vllm_draw(logits[n], seed, FIRST_POSITION + n + 1, inverse_cdf, **params) for n in range(4)
+    ]
     drafts = plain[:accepted]
     if accepted < DRAFTS:  # then a draft the target's draw does not pick
         drafts += [(plain[accepted] + 1) % V] * (DRAFTS - accepted)
-    verifier = ExactRejectionSampler(Sampler())
+    verifier = ExactRejectionSampler(_sampler(inverse_cdf))
     step = _step(positions=torch.arange(DRAFTS + 1) + FIRST_POSITION)
     with verifier.bound_to(step):
         out = verifier(_chain(drafts), None, logits.clone(), _metadata(seed, **params))
