@@ -54,9 +54,9 @@ LIST_WALK_MAX_NODES = 64
 class InverseCdfDraws(torch.nn.Module):
     """vLLM's top-k/top-p sampler with each row drawn by one uniform through its CDF
     (``verify.sample_from_probs``) instead of vLLM 0.32's CPU Gumbel-max, which hashes and
-    takes a log at every token: a 49152-token row costs 0.09 ms against 0.29 ms on a
-    2-core EPYC, 1.3 ms against 9.4 ms for 64 rows (``benchmarks/micro/verify_cost.py``).
-    Both are exact draws from the processed row. A seeded row's uniform is the first draw
+    takes a log at every token: 16 rows of 49152 tokens cost 0.51 ms against 2.46 ms on a
+    2-core EPYC (``benchmarks/results/micro/verify-cost-inverse-cdf.txt``). Both are exact
+    draws from the processed row. A seeded row's uniform is the first draw
     of its generator, so every draw of the runner's sampler (the verifier's walk, a bonus
     token, a step without drafts) gives the same token for the same generator and row
     (``verify/position_rng.py``). The processed logits or logprobs a logprobs mode asks
