@@ -321,12 +321,9 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
     def _verify_argmax_lists(self, metadata, top: list[int], device) -> torch.Tensor:
         """``verify`` of an argmax-decided batch of few nodes, over Python lists (the
         walk: ``greedy_walk_lists``). ``top``: the argmax of every logits row."""
-        num_drafts = list(metadata.num_draft_tokens)
+        num_drafts, num_nodes, parents, drafts = self._trees_as_lists(metadata)
         batch, max_drafts = len(num_drafts), metadata.max_spec_len
         width = max_drafts + 1
-        num_nodes = [n + 1 for n in num_drafts]
-        parents = self._parents(torch.tensor(num_nodes, dtype=torch.int64), width).tolist()
-        drafts = metadata.draft_token_ids.tolist()
         target_rows = metadata.target_logits_indices.tolist()
         bonus_rows = metadata.bonus_logits_indices.tolist()
         tokens, choice, start = [], [], 0
@@ -344,6 +341,15 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
         return torch.tensor(output, dtype=torch.int64).view(batch, width).to(device)
 
+    def _trees_as_lists(self, metadata) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+        """Drafts per request, nodes per request, every request's parents (padded to the
+        widest tree) and all draft tokens, as Python lists for the list walks."""
+        num_drafts = list(metadata.num_draft_tokens)
+        num_nodes = [n + 1 for n in num_drafts]
+        width = metadata.max_spec_len + 1
+        parents = self._parents(torch.tensor(num_nodes, dtype=torch.int64), width).tolist()
+        return num_drafts, num_nodes, parents, metadata.draft_token_ids.tolist()
+
     def _has_drafts_sampled_from_q(self) -> bool:
         drafted = None if self._step is None else self._step.verifying
         return drafted is not None and drafted.sampled is not None and bool(drafted.sampled.any())
@@ -357,12 +363,9 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         for the batch), and no other row is touched. A greedy request's token is its raw
         row's argmax, as vLLM's sampler takes it; the last node's row is the bonus row, so
         a walk reaching it draws the bonus token like any node's."""
-        num_drafts = list(metadata.num_draft_tokens)
+        num_drafts, num_nodes, parents, drafts = self._trees_as_lists(metadata)
         batch, max_drafts = len(num_drafts), metadata.max_spec_len
         width = max_drafts + 1
-        num_nodes = [n + 1 for n in num_drafts]
-        parents = self._parents(torch.tensor(num_nodes, dtype=torch.int64), width).tolist()
-        drafts = metadata.draft_token_ids.tolist()
         tokens, first_row, start = [], [], 0
         for n in num_drafts:  # request b's node i has logits row first_row[b] + i
             tokens.append([0, *drafts[start : start + n]])

@@ -12,10 +12,13 @@ from scipy.stats import chisquare
 
 pytest.importorskip("vllm")
 
-from test_greedy_fast_path import _random_trees, _spec, _TreeParents  # noqa: E402
+from test_greedy_fast_path import (  # noqa: E402
+    _greedy_metadata,
+    _random_trees,
+    _spec,
+    _TreeParents,
+)
 from test_sampler_draws import _min_p  # noqa: E402
-from vllm.v1.sample.logits_processor.state import LogitsProcessors  # noqa: E402
-from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.rejection_sampler import GREEDY_TEMPERATURE  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
@@ -30,24 +33,11 @@ def _metadata(temperature, top_k=None, top_p=None, generators=None, min_p=0.0):
     batch = temperature.shape[0]
     min_p_proc = _min_p(min_p)
     min_p_proc.min_p = torch.full((batch, 1), min_p)
-    return SamplingMetadata(
-        temperature=temperature,
-        all_greedy=False,
+    return _greedy_metadata(
+        batch, [min_p_proc], temperature=temperature, all_greedy=False,
         all_random=bool((temperature != GREEDY_TEMPERATURE).all()),
-        top_p=top_p,
-        top_k=top_k,
-        generators=generators or {},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(batch),
-        presence_penalties=torch.zeros(batch),
-        repetition_penalties=torch.ones(batch),
-        output_token_ids=[[] for _ in range(batch)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors([min_p_proc]),
-    )
+        top_p=top_p, top_k=top_k, generators=generators or {},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(5))
