@@ -37,6 +37,7 @@ from vllm.v1.sample.rejection_sampler import (
 from eagle_vllm.engine.step import StepBound, StepState
 from eagle_vllm.verify import (
     chain_parents,
+    child_with_token,
     greedy_verify_choices,
     greedy_walk_lists,
     sample_from_probs,
@@ -125,20 +126,15 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
             )  # fmt: skip
             return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         row_positions = self._row_positions(metadata, sampling_metadata)
-        if (
-            _rows_processed_alike(sampling_metadata)
-            and logits.shape[0]
-            and not self._has_drafts_sampled_from_q()
-        ):
-            output_token_ids = self._walk_drawing_visited_rows(
-                metadata, logits, sampling_metadata, row_positions
-            )
-            return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         if _rows_processed_alike(sampling_metadata) and logits.shape[0]:
-            # Every row's processing is temperature, min-p, top-k and top-p, the same on a
-            # bonus row as on a draft row: the bonus token is drawn like any node's, and
-            # only where a walk reaches the last node (rarely, in a tree), instead of by
-            # vLLM's sampler for every request (a full-vocabulary draw each).
+            if not self._has_drafts_sampled_from_q():
+                output_token_ids = self._walk_drawing_visited_rows(
+                    metadata, logits, sampling_metadata, row_positions
+                )
+                return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
+            # Drafts sampled from q need their rows' p for min(1, p/q): every row is
+            # processed, the bonus row like a draft row, and the bonus token drawn like any
+            # node's, only where a walk reaches the last node.
             counts = [n + 1 for n in metadata.num_draft_tokens]
             node_rows = apply_sampling_constraints(
                 logits.to(torch.float32, copy=True), counts, sampling_metadata
@@ -321,34 +317,29 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
     def _verify_argmax_lists(self, metadata, top: list[int], device) -> torch.Tensor:
         """``verify`` of an argmax-decided batch of few nodes, over Python lists (the
         walk: ``greedy_walk_lists``). ``top``: the argmax of every logits row."""
-        num_drafts, num_nodes, parents, drafts = self._trees_as_lists(metadata)
-        batch, max_drafts = len(num_drafts), metadata.max_spec_len
-        width = max_drafts + 1
+        num_nodes, parents, tokens = self._trees_as_lists(metadata)
         target_rows = metadata.target_logits_indices.tolist()
         bonus_rows = metadata.bonus_logits_indices.tolist()
-        tokens, choice, start = [], [], 0
-        for b, n in enumerate(num_drafts):
+        choice, start = [], 0
+        for b, n in enumerate(num_nodes):
             # node i's choice: its row's argmax; the last node's row is the bonus row
-            tokens.append([0, *drafts[start : start + n]])
-            choice.append([*(top[r] for r in target_rows[start : start + n]), top[bonus_rows[b]]])
-            start += n
+            drafts = target_rows[start : start + n - 1]
+            choice.append([*(top[r] for r in drafts), top[bonus_rows[b]]])
+            start += n - 1
         paths, outputs = greedy_walk_lists(tokens, parents, num_nodes, choice)
-        self._record_accepted(
-            torch.tensor(
-                [path + [-1] * (max_drafts - len(path)) for path in paths], dtype=torch.int64
-            ).view(batch, max_drafts)
-        )
-        output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
-        return torch.tensor(output, dtype=torch.int64).view(batch, width).to(device)
+        return self._list_walk_output(paths, outputs, metadata.max_spec_len, device)
 
-    def _trees_as_lists(self, metadata) -> tuple[list[int], list[int], list[list[int]], list[int]]:
-        """Drafts per request, nodes per request, every request's parents (padded to the
-        widest tree) and all draft tokens, as Python lists for the list walks."""
-        num_drafts = list(metadata.num_draft_tokens)
-        num_nodes = [n + 1 for n in num_drafts]
+    def _trees_as_lists(self, metadata) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Every request's number of nodes, parents (padded to the widest tree) and node
+        tokens (the root's 0, then its drafts), as Python lists for the list walks."""
+        num_nodes = [n + 1 for n in metadata.num_draft_tokens]
         width = metadata.max_spec_len + 1
         parents = self._parents(torch.tensor(num_nodes, dtype=torch.int64), width).tolist()
-        return num_drafts, num_nodes, parents, metadata.draft_token_ids.tolist()
+        drafts, tokens, start = metadata.draft_token_ids.tolist(), [], 0
+        for n in num_nodes:
+            tokens.append([0, *drafts[start : start + n - 1]])
+            start += n - 1
+        return num_nodes, parents, tokens
 
     def _has_drafts_sampled_from_q(self) -> bool:
         drafted = None if self._step is None else self._step.verifying
@@ -363,14 +354,11 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
         for the batch), and no other row is touched. A greedy request's token is its raw
         row's argmax, as vLLM's sampler takes it; the last node's row is the bonus row, so
         a walk reaching it draws the bonus token like any node's."""
-        num_drafts, num_nodes, parents, drafts = self._trees_as_lists(metadata)
-        batch, max_drafts = len(num_drafts), metadata.max_spec_len
-        width = max_drafts + 1
-        tokens, first_row, start = [], [], 0
-        for n in num_drafts:  # request b's node i has logits row first_row[b] + i
-            tokens.append([0, *drafts[start : start + n]])
-            first_row.append(start + len(first_row))
-            start += n
+        num_nodes, parents, tokens = self._trees_as_lists(metadata)
+        batch = len(num_nodes)
+        first_row = [0]  # request b's node i has logits row first_row[b] + i
+        for n in num_nodes[:-1]:
+            first_row.append(first_row[-1] + n)
         greedy = (sampling_metadata.temperature == GREEDY_TEMPERATURE).tolist()
         current, paths, outputs = (
             [0] * batch,
@@ -384,24 +372,25 @@ class ExactRejectionSampler(StepBound, RejectionSampler):
             still = []
             for b, y in zip(walking, drawn):
                 outputs[b].append(y)
-                node, toks, par = current[b], tokens[b], parents[b]
-                # children come after their parent; the lowest index wins a duplicate
-                child = next(
-                    (j for j in range(node + 1, num_nodes[b]) if par[j] == node and toks[j] == y),
-                    None,
-                )  # fmt: skip
+                child = child_with_token(tokens[b], parents[b], num_nodes[b], current[b], y)
                 if child is not None:
                     paths[b].append(child)
                     current[b] = child
                     still.append(b)
             walking = still
+        return self._list_walk_output(paths, outputs, metadata.max_spec_len, logits.device)
+
+    def _list_walk_output(self, paths, outputs, max_drafts: int, device) -> torch.Tensor:
+        """A list walk's accepted nodes recorded on the step, and its ``[B, max_drafts + 1]``
+        output rows (``[path tokens..., final token, placeholder...]``)."""
+        batch, width = len(paths), max_drafts + 1
         self._record_accepted(
             torch.tensor(
                 [path + [-1] * (max_drafts - len(path)) for path in paths], dtype=torch.int64
             ).view(batch, max_drafts)
         )
         output = [out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)) for out in outputs]
-        return torch.tensor(output, dtype=torch.int64).view(batch, width).to(logits.device)
+        return torch.tensor(output, dtype=torch.int64).view(batch, width).to(device)
 
     def _draw_rows(
         self, logits, rows: list[int], requests: list[int], greedy: list[bool],

@@ -17,6 +17,7 @@ Oracles (tests only, never called when serving) are imported from
 
 from eagle_vllm.verify.greedy import (
     VerifyResult,
+    child_with_token,
     greedy_verify_choices,
     greedy_walk_lists,
 )
@@ -31,6 +32,7 @@ from eagle_vllm.verify.rejection import (
 __all__ = [
     "VerifyResult",
     "chain_parents",
+    "child_with_token",
     "draw_uniforms",
     "greedy_verify_choices",
     "greedy_walk_lists",

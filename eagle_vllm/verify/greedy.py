@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VerifyResult", "greedy_verify_choices", "greedy_walk_lists"]
+__all__ = ["VerifyResult", "child_with_token", "greedy_verify_choices", "greedy_walk_lists"]
 
 
 @dataclass
@@ -202,7 +202,7 @@ def greedy_walk_lists(
         for _ in range(n):  # a path holds at most n - 1 drafts
             y = ch[cur]
             out.append(y)
-            nxt = next((j for j in range(1, n) if par[j] == cur and toks[j] == y), None)
+            nxt = child_with_token(toks, par, n, cur, y)
             if nxt is None:
                 break
             path.append(nxt)
@@ -210,3 +210,14 @@ def greedy_walk_lists(
         paths.append(path)
         outputs.append(out)
     return paths, outputs
+
+
+def child_with_token(
+    tokens: list[int], parents: list[int], num_nodes: int, node: int, token: int
+) -> int | None:
+    """The child of ``node`` carrying ``token`` in one tree given as lists (the lowest
+    index where two siblings carry it; children come after their parent), or None."""
+    return next(
+        (j for j in range(node + 1, num_nodes) if parents[j] == node and tokens[j] == token),
+        None,
+    )
