@@ -109,6 +109,9 @@ class EagleSpecConfig:
     topk: int = 1
     total_tokens: int = 0
     draft_sample_method: str = "greedy"
+    # Children of the root among the tree's candidates (0: topk). Wider than topk widens
+    # depth 1 only: the beam below it stays topk wide, so it costs no draft row.
+    root_topk: int = 0
     # Draft over the N most frequent tokens (0: the full vocabulary). See draft_vocab key.
     draft_vocab: int = 0
     # With draft_vocab: also draft every token of the request's own context (prompt and
@@ -131,6 +134,10 @@ class EagleSpecConfig:
     # models/draft_precision.py
     draft_dtype: str = "model"
 
+    def __post_init__(self) -> None:
+        if self.root_topk == 0:
+            object.__setattr__(self, "root_topk", self.topk)
+
     @property
     def uses_head(self) -> bool:
         """Whether an EAGLE head drafts (every method but ``suffix``)."""
@@ -139,7 +146,7 @@ class EagleSpecConfig:
     @property
     def uses_trees(self) -> bool:
         """Whether drafts can branch (verified with tree attention and KV compaction)."""
-        return self.topk > 1 or self.suffix is not None
+        return self.root_topk > 1 or self.suffix is not None
 
     @property
     def num_draft_slots(self) -> int:
@@ -203,6 +210,8 @@ _ALLOWED_KEYS = {
     "model": (str, os.PathLike),
     "num_speculative_tokens": (int,),
     "topk": (int,),
+    # the root's children among the candidates (default topk; at least topk)
+    "root_topk": (int,),
     "total_tokens": (int, str),  # N, or "auto" (load-aware sizing, eagle_vllm/sizing/)
     "max_total_tokens": (int,),  # the largest tree "auto" may pick
     "draft_sample_method": (str,),
@@ -404,6 +413,20 @@ def parse_speculative_config(
         raise _fail("num_speculative_tokens", f"{depth} is below 1", "use 1 or more")
     if topk < 1:
         raise _fail("topk", f"{topk} is below 1", "use 1 or more")
+    root_topk = values.get("root_topk", topk)
+    if root_topk < topk:
+        raise _fail(
+            "root_topk",
+            f"{root_topk} is below topk {topk} (the beam below the root takes topk of the "
+            "root's children)",
+            f"use root_topk >= {topk}, or drop it",
+        )
+    if method == "eagle" and "root_topk" in data and root_topk != 1:
+        raise _fail(
+            "root_topk",
+            f"method 'eagle' is a chain, root_topk must be 1 (got {root_topk})",
+            "drop 'root_topk', or use method 'eagle2' for a tree",
+        )
     if method == "eagle":
         if topk != 1:
             raise _fail(
@@ -422,9 +445,9 @@ def parse_speculative_config(
                 "drop 'total_tokens', or use method 'eagle2' for a tree",
             )
     else:
-        # Candidates the expansion can produce: topk at depth 1, topk*topk below, plus the
-        # suffix candidates of a hybrid tree.
-        max_nodes = 1 + topk + (depth - 1) * topk * topk
+        # Candidates the expansion can produce: root_topk at depth 1, topk*topk below, plus
+        # the suffix candidates of a hybrid tree.
+        max_nodes = 1 + root_topk + (depth - 1) * topk * topk
         if suffix is not None:
             max_nodes += suffix.max_nodes
         total = (
@@ -442,8 +465,9 @@ def parse_speculative_config(
             raise _fail(
                 "max_total_tokens" if auto_size else "total_tokens",
                 f"{total} exceeds the {max_nodes} nodes that depth {depth} with "
-                f"topk {topk} can draft",
-                f"use total_tokens <= {max_nodes}, or raise topk/num_speculative_tokens"
+                f"topk {topk} (root_topk {root_topk}) can draft",
+                f"use total_tokens <= {max_nodes}, or raise "
+                "topk/root_topk/num_speculative_tokens"
                 + (" or suffix.max_nodes" if suffix is not None else ""),
             )
     if total - 1 > MAX_DRAFT_SLOTS:
@@ -458,18 +482,20 @@ def parse_speculative_config(
             f"unknown value '{values['draft_sample_method']}'",
             f"use one of {list(DRAFT_SAMPLE_METHODS)}",
         )
-    if values["draft_sample_method"] == "sample" and topk != 1:
+    if values["draft_sample_method"] == "sample" and root_topk != 1:
         # The EAGLE-2 rerank keeps or drops sampled siblings by their values, so they are
         # no longer draws from q and min(1, p/q) would not be exact.
         raise _fail(
             "draft_sample_method",
-            f"'sample' drafts chains only (topk 1), got topk {topk}",
+            f"'sample' drafts chains only (topk 1), got topk {topk}, root_topk {root_topk}",
             "use draft_sample_method: greedy for trees (exact for any tree), or topk: 1",
         )
 
     sizing_profile = None
     if "sizing_profile" in data:
-        sizing_profile = _read_sizing_profile(data["sizing_profile"], base_dir, depth, topk, total)
+        sizing_profile = _read_sizing_profile(
+            data["sizing_profile"], base_dir, depth, topk, total, root_topk
+        )
 
     from eagle_vllm.models.checkpoint import inspect_draft_checkpoint
 
@@ -494,6 +520,7 @@ def parse_speculative_config(
         model=str(model_path),
         num_speculative_tokens=depth,
         topk=topk,
+        root_topk=root_topk,
         total_tokens=total,
         draft_sample_method=values["draft_sample_method"],
         auto_size=auto_size,
@@ -586,7 +613,7 @@ def _parse_model_free(data: dict[str, Any], suffix: SuffixConfig | None,
 
 
 def _read_sizing_profile(
-    value: str | os.PathLike, base_dir: Path, depth: int, topk: int, total: int
+    value: str | os.PathLike, base_dir: Path, depth: int, topk: int, total: int, root_topk: int
 ) -> dict[str, Any]:
     """The profile file's content, checked against this config's tree bound."""
     from eagle_vllm.sizing import check_profile
@@ -603,11 +630,13 @@ def _read_sizing_profile(
         )
     try:
         profile = json.loads(path.read_text())
-        check_profile(profile, depth, topk, total)
+        check_profile(profile, depth, topk, total, root_topk)
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         problem, _, fix = str(exc).partition(" Fix: ")
         raise _fail(
-            "sizing_profile", f"'{path}': {problem}", fix or "use `eagle-vllm calibrate`"
+            "sizing_profile",
+            f"'{path}': {problem.rstrip('.')}",
+            fix or "use `eagle-vllm calibrate`",
         ) from None
     return profile
 

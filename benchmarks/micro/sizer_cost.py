@@ -34,7 +34,9 @@ from eagle_vllm.sizing import TreeSizer  # noqa: E402
 def run(profile: dict, batch: int, steps: int, seed: int = 0) -> tuple[float, float, Counter]:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    sizer = TreeSizer(profile["depth"], profile["topk"], profile["max_nodes"])
+    sizer = TreeSizer(
+        profile["depth"], profile["topk"], profile["max_nodes"], root_topk=profile.get("root_topk")
+    )
     sizer.load_profile(profile)
     verify = {m: 0.034 + 0.0012 * (m - 1) * batch for m in range(1, sizer.max_nodes + 1)}
     draft = {d: 0.004 * d for d in range(sizer.max_passes + 1)}
@@ -69,7 +71,9 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,4,16")
     args = p.parse_args()
     profile = json.loads(Path(args.profile).read_text())
-    seeded = TreeSizer(profile["depth"], profile["topk"], profile["max_nodes"])
+    seeded = TreeSizer(
+        profile["depth"], profile["topk"], profile["max_nodes"], root_topk=profile.get("root_topk")
+    )
     seeded.load_profile(profile)
     biggest = max(seeded.arms)
     print(f"the profile alone: {biggest} expects {seeded.expected_tokens(biggest):.2f} tokens")

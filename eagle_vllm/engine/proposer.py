@@ -565,8 +565,9 @@ class EagleTreeProposer(StepBound, EagleProposer):
         if passes == 1 and temperatures is None:
             # The shape the sizer picks most at batch 1: skip the builder's bookkeeping.
             logprobs, token_ids = self._draft_logprobs(root_last_hidden, 1)
-            return depth_one_tree(root_tokens, logprobs, cfg.topk, nodes, token_ids), None, None
-        builder = TreeBuilder(root_tokens, cfg.topk, nodes, passes)
+            tree = depth_one_tree(root_tokens, logprobs, cfg.root_topk, nodes, token_ids)
+            return tree, None, None
+        builder = TreeBuilder(root_tokens, cfg.topk, nodes, passes, root_topk=cfg.root_topk)
         q_rows: list[torch.Tensor] = []
         q_token_ids = None
 

@@ -92,7 +92,8 @@ class EagleCPUModelRunner(CPUModelRunner):
                 (0, 0) if cfg.suffix is None else (cfg.suffix.max_nodes, cfg.suffix.max_depth)
             )
             self.sizer = TreeSizer(cfg.num_speculative_tokens, cfg.topk, cfg.total_tokens,
-                                   extra_nodes=extra_nodes, extra_depth=extra_depth)  # fmt: skip
+                                   extra_nodes=extra_nodes, extra_depth=extra_depth,
+                                   root_topk=cfg.root_topk)  # fmt: skip
             self.sizer.pinned = _pinned_size(self.sizer)
             if cfg.sizing_profile:  # measured by `eagle-vllm calibrate` (checked at parse)
                 self.sizer.load_profile(cfg.sizing_profile)

@@ -74,12 +74,16 @@ SPREAD_Z = 2.0
 SWEEP_CLEAR_LOSS = 0.25
 
 
-def candidate_sizes(max_passes: int, topk: int, max_nodes: int, extra_nodes: int = 0) -> list[Arm]:
+def candidate_sizes(
+    max_passes: int, topk: int, max_nodes: int, extra_nodes: int = 0, root_topk: int | None = None
+) -> list[Arm]:
     """The (draft passes, tree nodes) arms: off, then every number of passes with a few
-    tree sizes. ``extra_nodes``: candidates another source adds to every tree (suffix)."""
+    tree sizes. ``extra_nodes``: candidates another source adds to every tree (suffix);
+    ``root_topk``: the root's children (default ``topk``)."""
+    root = topk if root_topk is None else root_topk
     arms = [OFF]
     for d in range(1, max_passes + 1):
-        reachable = 1 + topk + (d - 1) * topk * topk + extra_nodes  # nodes d passes can draft
+        reachable = 1 + root + (d - 1) * topk * topk + extra_nodes  # nodes d passes can draft
         top = min(max_nodes, reachable)
         low = 2 if d == 1 else min(top, d + 1)  # a tree of d passes needs d + 1 nodes
         sizes = {top, low}
@@ -140,12 +144,14 @@ class TreeSizer:
         explore_budget: float = 0.05,
         extra_nodes: int = 0,
         extra_depth: int = 0,
+        root_topk: int | None = None,
     ):
         # extra_nodes / extra_depth: a suffix source's candidates per tree and their depth
         # bound; they cost no draft pass, so a tree of d passes may hold more nodes and
         # accept more than d drafts
         self.max_passes, self.topk, self.max_nodes = max_passes, topk, max_nodes
-        self.arms = candidate_sizes(max_passes, topk, max_nodes, extra_nodes)
+        self.root_topk = topk if root_topk is None else root_topk
+        self.arms = candidate_sizes(max_passes, topk, max_nodes, extra_nodes, self.root_topk)
         self.speculation_margin = speculation_margin
         self.explore_every = explore_every
         self.max_explore_every = 8 * explore_every
@@ -466,6 +472,7 @@ class TreeSizer:
             "eagle_vllm_sizing_profile": PROFILE_VERSION,
             "depth": self.max_passes,  # the profile format's name
             "topk": self.topk,
+            "root_topk": self.root_topk,
             "max_nodes": self.max_nodes,
             **self.costs.export(),
         }
@@ -484,7 +491,7 @@ class TreeSizer:
         drafts. New batch buckets then start from measured costs instead of trying every
         arm. A cost only the profile has measured is scaled by how this engine's samples
         of the bucket's other costs compare with the profile's (the machine's drift)."""
-        check_profile(profile, self.max_passes, self.topk, self.max_nodes)
+        check_profile(profile, self.max_passes, self.topk, self.max_nodes, self.root_topk)
         self.costs.load({k: profile[k] for k in PROFILE_COST_KEYS if k in profile})
         for key, cls in (("acceptance", GREEDY), ("acceptance_sampled", SAMPLED)):
             acceptance = profile.get(key)
@@ -514,9 +521,12 @@ class TreeSizer:
         return out
 
 
-def check_profile(profile: object, max_passes: int, topk: int, max_nodes: int) -> None:
+def check_profile(
+    profile: object, max_passes: int, topk: int, max_nodes: int, root_topk: int | None = None
+) -> None:
     """Raise ValueError (what is wrong, and the fix) unless ``profile`` is a sizing
-    profile made for this tree bound (passes, topk and largest tree)."""
+    profile made for this tree bound (passes, topk, the root's children and largest
+    tree). A profile without ``root_topk`` was made with the root as wide as ``topk``."""
     fix = "make it with `eagle-vllm calibrate` for this config"
     if not isinstance(profile, dict) or "eagle_vllm_sizing_profile" not in profile:
         raise ValueError(f"not an eagle-vllm sizing profile. Fix: {fix}")
@@ -525,11 +535,17 @@ def check_profile(profile: object, max_passes: int, topk: int, max_nodes: int) -
             f"profile version {profile['eagle_vllm_sizing_profile']!r}, expected "
             f"{PROFILE_VERSION}. Fix: {fix}"
         )
-    made = tuple(profile.get(k) for k in ("depth", "topk", "max_nodes"))
-    if made != (max_passes, topk, max_nodes):
+    made = (
+        profile.get("depth"),
+        profile.get("topk"),
+        profile.get("root_topk", profile.get("topk")),
+        profile.get("max_nodes"),
+    )
+    wanted = (max_passes, topk, topk if root_topk is None else root_topk, max_nodes)
+    if made != wanted:
         raise ValueError(
-            f"made for num_speculative_tokens/topk/max_total_tokens {made}, the config has "
-            f"{(max_passes, topk, max_nodes)}. Fix: {fix}"
+            f"made for num_speculative_tokens/topk/root_topk/max_total_tokens {made}, the "
+            f"config has {wanted}. Fix: {fix}"
         )
     shape = [max_passes + 1, max_nodes]
     try:

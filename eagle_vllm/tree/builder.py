@@ -18,14 +18,17 @@ Semantics (EAGLE-2 "expand + rerank", SafeAILab ``topK_genrate``):
 * Expand: every frontier node proposes its top-``topk`` children by log-prob.
   ALL ``w * topk`` children become rerank candidates; the global top-``topk``
   of them by score form the next frontier (width ``topk``).  The first step
-  expands the root only, so depth 1 has ``topk`` candidates and every later
-  depth ``topk**2``.
+  expands the root only, into its top-``root_topk`` children (``topk`` unless
+  given; at least ``topk``), so depth 1 has ``root_topk`` candidates and every
+  later depth ``topk**2``.  A root wider than the beam costs no draft row: the
+  depth-1 frontier is still its best ``topk`` children.
 * Rerank (:meth:`TreeBuilder.finalize`): request ``b`` keeps the top
   ``nodes[b] - 1`` candidates over all depths (clamped to the number of
   candidates), plus the root.
 
 Candidate numbering.  The root is candidate 0.  Step ``s`` appends its
-``w * topk`` children with ids ``offset_s + row * topk + rank``: ``row`` is the
+``w * k`` children (``k``: ``root_topk`` for the root's step, ``topk`` after) with
+ids ``offset_s + row * k + rank``: ``row`` is the
 frontier row of the parent and ``rank`` the child's rank among its siblings
 (log-prob descending, then token id ascending).  Ids therefore increase with
 depth, and a parent always has a smaller id than its children.
@@ -184,6 +187,8 @@ class TreeBuilder:
     Args:
         root_tokens: [B] last accepted tokens (the roots).
         topk: children per expanded node and beam (frontier) width, >= 1.
+        root_topk: children of the root (the first step), >= ``topk``; default
+            ``topk``.
         nodes: node budget per request, root included (int or [B] tensor,
             each >= 1).  ``nodes - 1`` drafts are kept.
         passes: maximum number of :meth:`step` calls, one draft forward each
@@ -196,15 +201,19 @@ class TreeBuilder:
         topk: int,
         nodes: Tensor | int,
         passes: int,
+        root_topk: int | None = None,
     ) -> None:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
+        if root_topk is not None and root_topk < topk:
+            raise ValueError(f"root_topk must be >= topk {topk}, got {root_topk}")
         if passes < 0:
             raise ValueError(f"passes must be >= 0, got {passes}")
         root_tokens = root_tokens.reshape(-1).long()
         self.device = root_tokens.device
         self.batch_size = b = root_tokens.shape[0]
         self.topk = int(topk)
+        self.root_topk = self.topk if root_topk is None else int(root_topk)
         self.passes = int(passes)
         if isinstance(nodes, Tensor):
             budget = nodes.detach().reshape(-1).tolist()
@@ -261,14 +270,16 @@ class TreeBuilder:
         frontier node ``j``.  Any float dtype; top-k runs in that dtype and
         scores are accumulated in float32.  ``token_ids``: [V] the token id of
         each column when drafting over a reduced vocabulary (default: column j
-        is token j).  ``children``: [B, w, topk] columns chosen by the caller
+        is token j).  ``children``: [B, w, k] columns chosen by the caller
         (e.g. sampled from the draft distribution) instead of the top-k; they
         keep the caller's order, which a sampled-draft verifier relies on.
+        ``k`` is ``root_topk`` for the root's step and ``topk`` after it.
         Returns the next frontier.
         """
         if self._passes_done >= self.passes:
             raise RuntimeError(f"TreeBuilder.step called more than passes={self.passes} times")
-        b, w, k = self.batch_size, self._frontier.width, self.topk
+        b, w = self.batch_size, self._frontier.width
+        k = self.root_topk if self._passes_done == 0 else self.topk
         if logprobs.dim() != 3 or logprobs.shape[0] != b or logprobs.shape[1] != w:
             raise ValueError(f"logprobs must be [B={b}, w={w}, V], got {tuple(logprobs.shape)}")
         if logprobs.shape[2] < k:
@@ -278,7 +289,7 @@ class TreeBuilder:
             vals, tokens = _ranked_children(logprobs, k, token_ids)  # [B * w][k] lists
         else:
             if children.shape != (b, w, k):
-                raise ValueError(f"children must be [B={b}, w={w}, topk={k}]")
+                raise ValueError(f"children must be [B={b}, w={w}, k={k}]")
             cols = children.to(logprobs.device, torch.long)
             raw = logprobs.gather(-1, cols).reshape(-1, k).tolist()
             vals = [[_clean(v) for v in row] for row in raw]
@@ -292,7 +303,7 @@ class TreeBuilder:
         n = w * k
         offset = len(self._cand_depth) + 1
         depth = self._frontier.depth + 1
-        nw = min(k, n)
+        nw = min(self.topk, n)  # the beam: a wider root still feeds topk rows
         rows = list(range(self._next_row, self._next_row + nw))
         self._next_row += nw
         self._cand_depth += [depth] * n

@@ -38,9 +38,11 @@ __all__ = [
 ]
 
 
-def num_candidates(topk: int, passes: int) -> int:
-    """Candidates created by ``passes`` builder steps: topk + (passes - 1) * topk**2."""
-    return 0 if passes <= 0 else topk + (passes - 1) * topk * topk
+def num_candidates(topk: int, passes: int, root_topk: int | None = None) -> int:
+    """Candidates created by ``passes`` builder steps: root_topk + (passes - 1) * topk**2
+    (``root_topk`` defaults to ``topk``)."""
+    root = topk if root_topk is None else root_topk
+    return 0 if passes <= 0 else root + (passes - 1) * topk * topk
 
 
 def num_rows(topk: int, passes: int) -> int:

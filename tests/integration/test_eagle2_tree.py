@@ -8,11 +8,12 @@ from test_eagle_chain import PROMPTS, greedy, token_ids
 
 pytestmark = pytest.mark.vllm
 
-SETTINGS = [  # (num_speculative_tokens = depth, topk, total_tokens)
-    (4, 4, 12),
-    (3, 2, 6),
-    (5, 3, 16),
-    (1, 4, 4),  # one pass: depth_one_tree, the shape auto sizing picks most at batch 1
+SETTINGS = [  # (num_speculative_tokens = depth, topk, total_tokens, root_topk)
+    (4, 4, 12, None),
+    (3, 2, 6, None),
+    (5, 3, 16, None),
+    (1, 4, 4, None),  # one pass: depth_one_tree, the shape auto sizing picks most at batch 1
+    (2, 2, 10, 6),  # a root wider than the beam: 6 + 2 * 2 candidates
 ]
 
 
@@ -33,7 +34,7 @@ def vanilla(tiny):
     return out
 
 
-def _eagle2(target, draft, depth, topk, total, **kw):
+def _eagle2(target, draft, depth, topk, total, root_topk=None, **kw):
     from eagle_vllm import LLM
 
     spec = {
@@ -43,12 +44,14 @@ def _eagle2(target, draft, depth, topk, total, **kw):
         "topk": topk,
         "total_tokens": total,
     }
+    if root_topk is not None:
+        spec["root_topk"] = root_topk
     return LLM(str(target), speculative_config=spec, **{**ENGINE_KW, **kw})
 
 
-@pytest.mark.parametrize("depth,topk,total", SETTINGS)
-def test_tree_greedy_equals_vanilla(tiny, vanilla, depth, topk, total):
-    llm = _eagle2(tiny["target"], tiny["draft_noisy"], depth, topk, total)
+@pytest.mark.parametrize("depth,topk,total,root_topk", SETTINGS)
+def test_tree_greedy_equals_vanilla(tiny, vanilla, depth, topk, total, root_topk):
+    llm = _eagle2(tiny["target"], tiny["draft_noisy"], depth, topk, total, root_topk)
     got = token_ids(llm.generate(PROMPTS, greedy()))
     metrics = spec_metrics(llm)
     shutdown(llm)

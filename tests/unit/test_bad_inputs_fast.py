@@ -306,6 +306,7 @@ def test_check_config_prints_resolved_config(runs, models):
         "topk": "3",
         "total_tokens": "12",
         "draft_sample_method": "greedy",
+        "root_topk": "3",
         "draft_vocab": "0",
         "draft_vocab_context": "False",
         "auto_size": "False",

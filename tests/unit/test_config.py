@@ -250,6 +250,29 @@ def test_topk_zero(models):
     parse_err({"method": "eagle", "model": str(models["draft"]), "topk": 0}, "topk")
 
 
+def test_root_topk(models):
+    d = str(models["draft"])
+    cfg = parse_speculative_config({"method": "eagle2", "model": d, "topk": 2})
+    assert cfg.root_topk == 2  # as wide as the beam unless asked
+    wide = {"method": "eagle2", "model": d, "num_speculative_tokens": 2, "topk": 2}
+    cfg = parse_speculative_config({**wide, "root_topk": 6})
+    # the root's 6 children and 2 * 2 grandchildren: 11 nodes, the default total's cap
+    assert (cfg.root_topk, cfg.total_tokens) == (6, 11)
+    assert parse_speculative_config({**wide, "root_topk": 6, "total_tokens": 11})
+    msg = parse_err({**wide, "root_topk": 6, "total_tokens": 12}, "total_tokens")
+    assert "root_topk 6" in msg
+    msg = parse_err({**wide, "root_topk": 1}, "root_topk")
+    assert "below topk 2" in msg and "root_topk >= 2" in msg
+    msg = parse_err({"method": "eagle", "model": d, "root_topk": 3}, "root_topk")
+    assert "chain" in msg
+    chain = {"method": "eagle2", "model": d, "topk": 1, "total_tokens": 4, "root_topk": 3}
+    msg = parse_err({**chain, "draft_sample_method": "sample"}, "draft_sample_method")
+    assert "root_topk 3" in msg
+    # a wider root makes branches: the tree path (tree attention, KV compaction) serves it
+    assert parse_speculative_config(chain).uses_trees
+    assert EagleSpecConfig.from_dict(cfg.to_dict()).root_topk == 6
+
+
 def test_topk_above_one_with_eagle(models):
     msg = parse_err({"method": "eagle", "model": str(models["draft"]), "topk": 2}, "topk")
     assert "eagle2" in msg
@@ -821,7 +844,7 @@ def test_sizing_profile(models, tmp_path):
     parse_err({**base, "sizing_profile": str(tmp_path / "bad.json")}, "sizing_profile")
     other = {**base, "max_total_tokens": 5, "sizing_profile": str(tmp_path / "profile.json")}
     msg = parse_err(other, "sizing_profile")
-    assert "made for" in msg and "(2, 2, 4)" in msg
+    assert "made for" in msg and "(2, 2, 2, 4)" in msg and ".." not in msg
     fixed = {**base, "total_tokens": 4, "sizing_profile": str(tmp_path / "profile.json")}
     del fixed["max_total_tokens"]
     assert "total_tokens: auto" in parse_err(fixed, "sizing_profile")

@@ -33,6 +33,16 @@ def test_candidate_sizes_cover_off_chain_and_full_tree():
     ]
 
 
+def test_a_wider_root_widens_the_one_pass_arms_only_by_its_children():
+    narrow = candidate_sizes(max_passes=2, topk=4, max_nodes=16)
+    wide = candidate_sizes(max_passes=2, topk=4, max_nodes=16, root_topk=8)
+    assert max(m for d, m in narrow if d == 1) == 5
+    assert max(m for d, m in wide if d == 1) == 9  # the root and its 8 children
+    assert max(m for d, m in wide if d == 2) == 16
+    sizer = TreeSizer(max_passes=2, topk=4, max_nodes=16, root_topk=8)
+    assert sizer.arms == wide and sizer.export_profile()["root_topk"] == 8
+
+
 def test_batch_bucket():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 17, 64)] == [1, 2, 4, 4, 8, 32, 64]
 
@@ -330,8 +340,16 @@ def test_a_profile_for_another_tree_bound_or_malformed_is_refused():
 
     profile = _calibrated_sizer().export_profile()
     check_profile(profile, 2, 2, 4)
-    with pytest.raises(ValueError, match="made for num_speculative_tokens/topk/max_total_tokens"):
+    with pytest.raises(ValueError, match="made for num_speculative_tokens/topk/root_topk"):
         check_profile(profile, 3, 2, 4)
+    # a wider root changes the arms: the profile of a narrower one is refused
+    with pytest.raises(ValueError, match=r"\(2, 2, 2, 4\), the config has \(2, 2, 3, 4\)"):
+        check_profile(profile, 2, 2, 4, root_topk=3)
+    # profiles written before root_topk was a key were made with the root topk wide
+    older = {k: v for k, v in profile.items() if k != "root_topk"}
+    check_profile(older, 2, 2, 4)
+    with pytest.raises(ValueError, match="root_topk"):
+        check_profile(older, 2, 2, 4, root_topk=4)
     with pytest.raises(ValueError, match="not an eagle-vllm sizing profile"):
         check_profile({"verify_seconds": {}}, 2, 2, 4)
     broken = {**profile, "verify_seconds": {"1,x": 0.1}}

@@ -76,10 +76,10 @@ class FakeDraft:
         return self.cache[key]
 
 
-def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank"):
+def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank", root_topk=None):
     """Drive TreeBuilder like the runner would; returns (tree, all_logprobs)."""
     bsz = len(roots)
-    tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, nodes, passes)
+    tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, nodes, passes, root_topk)
     fr = tb.frontier()
     assert fr.width == 1 and fr.depth == 0
     assert fr.tokens[:, 0].tolist() == list(roots)
@@ -118,7 +118,7 @@ def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank"):
     tree = tb.finalize(pad_to=pad_to, order=order)
     lp_all = torch.cat(all_lp, dim=1) if all_lp else None
     if lp_all is not None:
-        assert lp_all.shape[1] == num_rows(topk, passes)
+        assert lp_all.shape[1] == num_rows(topk, passes)  # a wider root feeds no more rows
     return tree, lp_all
 
 
@@ -129,8 +129,9 @@ def f32(x) -> np.float32:
     return np.float32(x)
 
 
-def reference(root, draft_b, topk, passes, nodes, order="rank"):
-    """Pure-Python EAGLE-2 expand + rerank for one request.
+def reference(root, draft_b, topk, passes, nodes, order="rank", root_topk=None):
+    """Pure-Python EAGLE-2 expand + rerank for one request; the root proposes
+    ``root_topk`` children (default ``topk``), every later node ``topk``.
 
     Returns (selected nodes in output order, all candidates); each node is a
     dict with id, token, score, depth, parent (candidate id), prow, path.
@@ -142,7 +143,8 @@ def reference(root, draft_b, topk, passes, nodes, order="rank"):
         children = []
         for fn in frontier:
             lp = draft_b(fn["path"])
-            kids = sorted(range(len(lp)), key=lambda t: (-lp[t], t))[:topk]
+            width = topk if d > 1 or root_topk is None else root_topk
+            kids = sorted(range(len(lp)), key=lambda t: (-lp[t], t))[:width]
             for t in kids:
                 val = min(f32(lp[t]), f32(0.0))
                 children.append(
@@ -182,7 +184,7 @@ def brute_ancestor_mask(parents, n_nodes, width):
 
 
 def check_against_reference(
-    tree: DraftTree, lp_all, roots, topk, passes, budgets, draft, order="rank"
+    tree: DraftTree, lp_all, roots, topk, passes, budgets, draft, order="rank", root_topk=None
 ):
     check_tree(tree)
     bsz = len(roots)
@@ -194,7 +196,7 @@ def check_against_reference(
     ri = retrieve_indices(tree).tolist()
     for b in range(bsz):
         sel, cands = reference(
-            roots[b], lambda p, b=b: draft(b, p), topk, passes, budgets[b], order
+            roots[b], lambda p, b=b: draft(b, p), topk, passes, budgets[b], order, root_topk
         )
         n = len(sel) + 1
         assert int(tree.num_nodes[b]) == n
@@ -283,6 +285,32 @@ def test_builder_matches_reference(mode):
         order = "rank" if seed % 3 else "id"
         tree, lp_all = run_builder(roots, topk, nodes, passes, draft, order=order)
         check_against_reference(tree, lp_all, roots, topk, passes, budgets, draft, order)
+
+
+def test_wider_root_matches_reference():
+    """``root_topk > topk``: the root proposes ``root_topk`` candidates, the beam below
+    it stays ``topk`` wide (the best ``topk`` of the root's children), and the rerank
+    chooses over all of them."""
+    for seed in range(120):
+        rng, topk, vocab, passes, roots, budgets = random_case(90_000 + seed, "cont")
+        root_topk = topk + int(rng.randint(1, 6))
+        vocab = max(vocab, root_topk + 1)
+        draft = FakeDraft(rng, vocab, topk, "cont")
+        order = "rank" if seed % 3 else "id"
+        tree, lp_all = run_builder(
+            roots, topk, torch.tensor(budgets), passes, draft, order=order, root_topk=root_topk
+        )
+        check_against_reference(tree, lp_all, roots, topk, passes, budgets, draft, order, root_topk)
+        assert int(tree.num_nodes.max()) <= 1 + num_candidates(topk, passes, root_topk)
+
+
+def test_wider_root_one_pass_keeps_root_topk_children():
+    draft = _const_draft([-0.1 * t for t in range(10)])
+    tree, _ = run_builder([7], 2, 16, 1, draft, root_topk=6)
+    assert tree.tokens[0].tolist() == [7, 0, 1, 2, 3, 4, 5]
+    assert tree.depths[0].tolist() == [0] + [1] * 6
+    with pytest.raises(ValueError, match="root_topk"):
+        TreeBuilder(torch.tensor([7]), 3, 8, 2, root_topk=2)
 
 
 # --------------------------------------------------------------------------
@@ -638,10 +666,12 @@ def test_depth_one_tree_equals_the_builder(seed, topk, total):
     token_ids = torch.randperm(1000, generator=g)[:v] if seed % 2 else None
     roots = torch.randint(0, 1000, (b,), generator=g)
 
-    builder = TreeBuilder(roots, topk, total, passes=1)
-    builder.step(logprobs, token_ids)
-    expected = builder.finalize(pad_to=total)
     got = depth_one_tree(roots, logprobs, topk, total, token_ids)
-    for name in ("tokens", "parents", "depths", "num_nodes", "scores", "parent_row"):
-        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    # the shortcut's width is the root's: topk, or a narrower beam under a wider root
+    for beam in {topk, 1}:
+        builder = TreeBuilder(roots, beam, total, passes=1, root_topk=topk)
+        builder.step(logprobs, token_ids)
+        expected = builder.finalize(pad_to=total)
+        for name in ("tokens", "parents", "depths", "num_nodes", "scores", "parent_row"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
     check_tree(got)
