@@ -16,7 +16,7 @@ TRITON_PKGS := .triton-pkgs
 engine_env = VLLM_CPU_KVCACHE_SPACE=$(1) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle1-ttt eagle1-ttt-train feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -82,7 +82,7 @@ vllm-suffix:
 	bash benchmarks/build_arctic_suffix.sh
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
-# made it, in three stages.
+# made it, in four stages.
 # Stage 1 (REF_HEAD_STAGE1): the first user turns of ShareGPT conversations 0-4736
 # (MT-bench/HumanEval overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320
 # tokens, through vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns
@@ -101,10 +101,20 @@ vllm-suffix:
 # every-turn ShareGPT dialogues of make eagle3-head's stage 4 (E3_TURNS_FEATURES) and the
 # answers to evals prompts 4500-7872 (E3_EVALS2_FEATURES, extracted here first if missing:
 # 3240 usable, 1.16M tokens, 22 minutes), 6.46M tokens in all, validated on a split by
-# prompt: 33 minutes. Resumable at every stage.
+# prompt: 33 minutes. Written to REF_HEAD_STAGE3.
+# Stage 4: the training-time test (make eagle1-ttt-train below: 120 steps unrolled 3 deep
+# over the first 2000 first turns, from stage 3; 27 minutes of fp32 feature extraction and
+# 21 of training on a 2-core AVX2 machine). Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
 REF_HEAD_STAGE2 := artifacts/eagle1-stage2
+REF_HEAD_STAGE3 := artifacts/eagle1-stage3
+# the revision whose committed head was stage 3: the experiments that start from stage 3
+# restore it from git when make reference-head has not written it here
+REF_HEAD_STAGE3_REV := 63668f1
+restore_stage3 = test -f $(REF_HEAD_STAGE3)/model.safetensors || { mkdir -p $(REF_HEAD_STAGE3) && \
+	for f in config.json model.safetensors draft_vocab.json; do \
+	git show $(REF_HEAD_STAGE3_REV):$(REF_HEAD)/$$f > $(REF_HEAD_STAGE3)/$$f || exit 1; done; }
 E3_EVALS2_FEATURES := artifacts/eagle3-features-evals2
 REF_HEAD_STEPS := 700 1100 2000 3000 4000
 REF_HEAD_ARGS := --target models/SmolLM2-135M-Instruct --regen-max-tokens 320 \
@@ -138,16 +148,19 @@ reference-head:
 		--skip-conversations 4500 --out artifacts/evals2-extract --max-steps 0 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
-	{ $(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(REF_HEAD) \
-		--init-from $(REF_HEAD_STAGE2) \
+	test -f $(REF_HEAD_STAGE3)/model.safetensors || { $(VENV)/bin/eagle-vllm train \
+		$(REF_HEAD_ARGS) --out $(REF_HEAD_STAGE3) --init-from $(REF_HEAD_STAGE2) \
 		$(call parts_data_args,$(E3_TURNS_FEATURES),sharegpt,20000,4,$(TURNS_DATA)) \
 		--extra-features $(E3_EVALS_FEATURES) --extra-features $(E3_EVALS2_FEATURES) \
 		--feature-dtype bfloat16 --max-steps 1500 --lr 3e-4 --warmup-steps 20 --eval-every 250 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+	{ $(MAKE) --no-print-directory eagle1-ttt-train E1_TTT_OUT=$(REF_HEAD) \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
 
-# A fourth stage for the reference head, not committed until it measures better: the
-# committed head (stage 3, copied to REF_HEAD_STAGE3) warm-started on SmolLM2's answers
+# Another fourth stage for the reference head, not committed (it measured worse): stage 3
+# (REF_HEAD_STAGE3, restored from git if missing) warm-started on SmolLM2's answers
 # to evals prompts 7872-13472 (E3_EVALS3_FEATURES: 5600 prompts, 2.09M tokens, extracted
 # here first if missing, about 50 minutes on 2 cores, resumable), keeping the committed
 # head's ranked draft vocabulary (--keep-init-vocab: this data alone would rank task
@@ -159,7 +172,6 @@ reference-head:
 # STAGE4_EXTRA="--ce-weight 1.0"; later flags win).
 STAGE4_OUT ?= artifacts/eagle1-stage4
 STAGE4_EXTRA ?=
-REF_HEAD_STAGE3 := artifacts/eagle1-stage3
 E3_EVALS3_FEATURES := artifacts/eagle3-features-evals3
 EVALS3_ARGS = --features-dir $(E3_EVALS3_FEATURES) --val-split prompt \
 	--data evals --num-conversations 5600 --skip-conversations 7872 --max-len 2048 \
@@ -167,15 +179,46 @@ EVALS3_ARGS = --features-dir $(E3_EVALS3_FEATURES) --val-split prompt \
 	--regen-parts-only --regen-dtype auto
 eagle1-stage4:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
-	test -f $(REF_HEAD_STAGE3)/model.safetensors || { mkdir -p $(REF_HEAD_STAGE3) && \
-		cp $(REF_HEAD)/config.json $(REF_HEAD)/model.safetensors $(REF_HEAD)/draft_vocab.json \
-		$(REF_HEAD_STAGE3)/; }
+	$(restore_stage3)
 	test -f $(E3_EVALS3_FEATURES)/meta.json || $(VENV)/bin/eagle-vllm train $(E3_TRAIN_ARGS) \
 		$(EVALS3_ARGS) --out artifacts/evals3-extract --max-steps 0
 	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(STAGE4_OUT) \
 		--init-from $(REF_HEAD_STAGE3) --keep-init-vocab $(EVALS3_ARGS) \
 		--feature-dtype bfloat16 --max-steps 500 --lr 2e-4 --warmup-steps 20 --eval-every 100 \
 		$(STAGE4_EXTRA)
+
+# Stage 4 of the reference head, the training-time test (--ttt-steps, HASS-style
+# alignment): stage 3 (REF_HEAD_STAGE3, restored from git if missing) warm-started on the
+# first E1_TTT_CONVS regenerated first turns (their fp32 features extracted first into
+# E1_TTT_FEATURES, resumable), its draft vocabulary kept, each draft position unrolled
+# E1_TTT_STEPS steps on the head's own features (the tree drafter's deeper nodes), losses
+# weighted 0.8^s, 120 steps at lr 2e-4. make eagle1-ttt-train writes E1_TTT_OUT; make
+# eagle1-ttt also scores it beside stage 3 per unrolled step on 80 MT-bench / HumanEval
+# answers (benchmarks/head_agreement.py). E1_TTT_STEPS=1 is the control: the same
+# continuation without the unroll.
+E1_TTT_CONVS ?= 2000
+E1_TTT_STEPS ?= 3
+E1_TTT_TRAIN_STEPS ?= 120
+E1_TTT_FEATURES := artifacts/eagle1-features
+E1_TTT_OUT ?= artifacts/eagle1-ttt$(E1_TTT_STEPS)
+E1_TTT_ARGS = $(REF_HEAD_ARGS) --features-dir $(E1_TTT_FEATURES) --data sharegpt \
+	--num-conversations $(E1_TTT_CONVS) --max-len 1024 --regenerate --regen-dtype bfloat16 \
+	--feature-dtype bfloat16 --feature-compute-dtype float32
+eagle1-ttt-train:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(restore_stage3)
+	mkdir -p $(E1_TTT_OUT)
+	test -f $(E1_TTT_OUT)/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl $(E1_TTT_OUT)/
+	$(call engine_env,$(REGEN_KV_GIB)) \
+	$(VENV)/bin/eagle-vllm train $(E1_TTT_ARGS) --out $(E1_TTT_OUT) \
+		--init-from $(REF_HEAD_STAGE3) --keep-init-vocab --ttt-steps $(E1_TTT_STEPS) \
+		--max-steps $(E1_TTT_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 --eval-every 40
+eagle1-ttt: eagle1-ttt-train
+	$(call engine_env,4) \
+	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
+		--heads $(REF_HEAD_STAGE3),$(E1_TTT_OUT) \
+		--out benchmarks/results/head-agreement-eagle1-ttt$(E1_TTT_STEPS)-cpu
 
 # Whether a head trained on features its target computed in bf16 (--feature-compute-dtype
 # bfloat16, the faster extraction on a CPU with AVX-512 BF16) drafts as well for an fp32

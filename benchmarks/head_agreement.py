@@ -16,10 +16,11 @@ exactly, to set beside ``head_tau.py``'s measured depth-1 acceptance: close figu
 gap between validation and acceptance down to the prompts (the head generalising), far
 ones to how the head is run.
 
-An EAGLE-1 head (no ``eagle_aux_hidden_state_layer_ids`` in its config) is scored at the
-one step it is trained for, drafting over the ``--draft-vocab`` most frequent tokens of
-its ``draft_vocab.json`` as the shipped configs serve it (``draft_vocab: 4096``). Its
-depth-1 agreement over 80 MT-bench answers (about 10K positions, paired across heads) is
+An EAGLE-1 head (no ``eagle_aux_hidden_state_layer_ids`` in its config) is scored at
+unrolled steps 1-4 (the depth-1 draft from the target's feature, then each deeper node
+from the head's own, as it drafts a tree), drafting over the ``--draft-vocab`` most
+frequent tokens of its ``draft_vocab.json`` as the shipped configs serve it
+(``draft_vocab: 4096``). Its depth-1 agreement over 80 MT-bench answers (about 10K positions, paired across heads) is
 a minute's comparison of two heads where an engine A/B takes a quarter of an hour.
 
 ``--context-vocab`` also scores each EAGLE-1 head drafting as the shipped configs do by
@@ -97,6 +98,9 @@ def score_head(target: str, head: Path, examples: list, work: Path) -> dict:
 
 # Drafts a one-pass tree takes from the root at batch 1 (the sizer's usual 1,4 arm).
 RECALL_TOPK = 3
+# Unrolled steps an EAGLE-1 head is scored at (the training-time test's, each step a
+# draft node one deeper, fed the head's own features and the true tokens)
+UNROLLED_STEPS = 4
 
 
 INT8_VARIANTS = {  # name -> (fc in int8, LM head in int8, 7-bit inputs)
@@ -129,10 +133,13 @@ def score_eagle1_head(
     int8: str = "",
     context: bool = False,
 ) -> dict:
-    """Depth-1 agreement of EAGLE-1 ``head`` over the answer positions of ``examples``: its
-    argmax over its first ``draft_vocab`` tokens (0: all) against the target's next token
-    (``val_acc_1``), and how often that token is among its ``RECALL_TOPK`` best
-    (``recall_top3``: what a one-pass tree of 3 drafts can accept). ``int8``: one of
+    """Agreement of EAGLE-1 ``head`` over the answer positions of ``examples``: its argmax
+    over its first ``draft_vocab`` tokens (0: all) against the target's token at each
+    unrolled step (``val_acc_1`` .. ``val_acc_4``: the node at that depth, its ancestors
+    the true tokens), and how often the depth-1 token is among its ``RECALL_TOPK`` best
+    (``recall_top3``: what a one-pass tree of 3 drafts can accept). Each step's share is
+    over every answer position (a position less than s tokens into the sequence has no
+    depth-s draft and counts as missed; answers are long enough for this to be rare). ``int8``: one of
     ``INT8_VARIANTS`` (the head's GEMMs in int8), or empty. ``context``: each position
     also drafts the tokens of the conversation before the drafted one."""
     import torch
@@ -154,38 +161,48 @@ def score_eagle1_head(
         _, int8_lm_head, reduce_range = INT8_VARIANTS[int8]
         if int8_lm_head:
             logits_of = Int8Gemm(lm_head, reduce_range=reduce_range)
-    agree = recalled = in_vocab = positions = 0
+    agree = [0] * UNROLLED_STEPS
+    recalled = in_vocab = positions = 0
     trainer.model.eval()
     with torch.no_grad():
         for ex in examples:
             ids, hidden = ex.input_ids, ex.hidden.float()
-            # draft position i reads token i+1 and feature i, and predicts token i+2
+            # draft position j reads token j+1 and feature j, and predicts token j+2; the
+            # unrolled step s drafts it from row j - s (the depth-(s+1) node under it)
             tokens_in, feats_in = ids[None, 1:-1], hidden[None, :-2]
-            rows = torch.arange(tokens_in.shape[1])
-            f_hat = trainer.model(trainer.embed[tokens_in], feats_in, rows[None])[0]
+            outputs = trainer.model.unroll(
+                lambda t: trainer.embed[t], tokens_in, feats_in, UNROLLED_STEPS
+            )
             scored = ex.loss_mask[1:-1]
+            rows_at = torch.nonzero(scored).flatten()
             wanted = ids[2:][scored]
-            if context:  # row i drafts token i+2 over the vocabulary and tokens 0..i+1
-                rows_at = torch.nonzero(scored).flatten()
+            allowed = None
+            if context:  # row j drafts token j+2 over the vocabulary and tokens 0..j+1
                 allowed = torch.zeros(len(rows_at), len(trainer.target_lm_head),
                                       dtype=torch.bool)  # fmt: skip
                 allowed[:, vocab] = True
                 earlier = torch.arange(len(ids))[None, :] < rows_at[:, None] + 2
                 row, col = torch.nonzero(earlier, as_tuple=True)
                 allowed[row, ids[col]] = True
-                logits = f_hat[scored] @ trainer.target_lm_head.T
-                top = logits.masked_fill(~allowed, float("-inf")).topk(RECALL_TOPK, dim=-1)
-                drafted = top.indices
                 in_vocab += int(allowed.gather(1, wanted[:, None]).sum())
             else:
-                drafted = vocab[logits_of(f_hat[scored]).topk(RECALL_TOPK, dim=-1).indices]
                 in_vocab += int(torch.isin(wanted, vocab).sum())
-            agree += int((drafted[:, 0] == wanted).sum())
-            recalled += int((drafted == wanted[:, None]).any(-1).sum())
+            for step, f_hat in enumerate(outputs):
+                keep = rows_at >= step
+                f_rows = f_hat[0, rows_at[keep] - step]
+                if allowed is not None:
+                    logits = f_rows @ trainer.target_lm_head.T
+                    masked = logits.masked_fill(~allowed[keep], float("-inf"))
+                    drafted = masked.topk(RECALL_TOPK, dim=-1).indices
+                else:
+                    drafted = vocab[logits_of(f_rows).topk(RECALL_TOPK, dim=-1).indices]
+                agree[step] += int((drafted[:, 0] == wanted[keep]).sum())
+                if step == 0:
+                    recalled += int((drafted == wanted[:, None]).any(-1).sum())
             positions += int(scored.sum())
     return {
         "in_vocab": in_vocab / positions,
-        "val_acc_1": agree / positions,
+        **{f"val_acc_{s + 1}": a / positions for s, a in enumerate(agree)},
         "recall_top3": recalled / positions,
     }
 
@@ -268,25 +285,31 @@ def main(argv: list[str] | None = None) -> int:
             "The target's greedy fp32 answers (first "
             f"{args.prompts} prompts, {args.max_tokens} tokens); acc at unrolled step s over "
             "answer positions whose target token the head can draft; in vocab: their share. "
-            f"EAGLE-1 heads: step 1 only, over all answer positions, drafting over "
+            f"EAGLE-1 heads: over all answer positions, drafting over "
             f"{args.draft_vocab or 'all'} tokens (+context: and every earlier token of the "
-            "conversation), with how often the target's token is among "
+            "conversation), with how often the target's token at step 1 is among "
             "the head's 3 best (what a one-pass tree of 3 drafts can accept).",
             "",
             "| dataset | head | tokens | in vocab | acc step 1, 2, 3, 4 | acc x in vocab, step 1 |",
             "|---|---|---|---|---|---|",
         ]
-        for r in rows:
-            if "val_acc_2" in r:
-                accs = ", ".join(f"{r[f'val_acc_{s}']:.3f}" for s in range(1, 5))
-                first = r["val_acc_1"] * r["in_vocab"]
-            else:  # EAGLE-1: its agreement already counts the positions it cannot draft
-                accs = f"{r['val_acc_1']:.3f} (top-3 {r['recall_top3']:.3f})"
-                first = r["val_acc_1"]
-            lines.append(f"| {r['dataset']} | {r['head']} | {r['tokens']} | {r['in_vocab']:.3f} "
-                         f"| {accs} | {first:.3f} |")  # fmt: skip
+        lines += [table_row(r) for r in rows]
         write_results(args.out, args, rows, "\n".join(lines) + "\n")
     return 0
+
+
+def table_row(r: dict) -> str:
+    """One head's markdown row: agreement per unrolled step, and step 1's over every
+    answer position (an EAGLE-1 head's agreement already counts the positions it cannot
+    draft, and comes with its top-3 recall)."""
+    accs = ", ".join(f"{r[f'val_acc_{s}']:.3f}" for s in range(1, 5))
+    if "recall_top3" in r:  # EAGLE-1
+        accs += f" (top-3 {r['recall_top3']:.3f})"
+        first = r["val_acc_1"]
+    else:
+        first = r["val_acc_1"] * r["in_vocab"]
+    return (f"| {r['dataset']} | {r['head']} | {r['tokens']} | {r['in_vocab']:.3f} "
+            f"| {accs} | {first:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_vllm.train.features import Example
-from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta
+from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta, ttt_attention_mask
 from eagle_vllm.train.trainer import (
     TrainConfig,
     Trainer,
@@ -103,14 +103,6 @@ class Eagle3Attention(nn.Module):
                 q, keys, values, attn_mask=ttt_attention_mask(n, steps, x.device), enable_gqa=True
             )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-def ttt_attention_mask(n: int, steps: int, device=None) -> torch.Tensor:
-    """``[n, n * (steps + 1)]``: row i sees step 0's keys at positions <= i and, in each
-    later step's block, only its own key (its ancestors in the draft tree)."""
-    eye = torch.eye(n, dtype=torch.bool, device=device)
-    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return torch.cat([causal, *[eye] * steps], dim=1)
 
 
 class Eagle3Layer(nn.Module):
@@ -447,6 +439,8 @@ class Eagle3Trainer(Trainer):
     """The EAGLE-1 trainer's loop, schedule, resume and logging, with the EAGLE-3 head,
     the training-time test and the speculators export. ``ce_vocab`` is the draft
     vocabulary (0: the full vocabulary, no d2t)."""
+
+    default_ttt_steps = 5
 
     def __init__(self, target, examples: list[Example], out_dir, config: TrainConfig,
                  aux_layers: tuple[int, ...]):  # fmt: skip

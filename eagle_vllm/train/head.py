@@ -5,6 +5,11 @@
     f̂_{i+1} = h + MLP(RMSNorm(h))                         (no final norm)
     q      = softmax(lm_head(f̂_{i+1}))                   (the target's lm_head, frozen)
 
+``EagleHead.unroll`` runs the training-time test (as ``train/eagle3.py`` describes it):
+step s >= 1 feeds the head's own f̂ back with the true token s further on, attending to
+step 0's keys causally and to its own row's earlier steps, as a draft node at depth s+1
+does in the plugin's tree drafter.
+
 The same math as vLLM 0.32's ``EagleLlamaForCausalLM`` (one ``LlamaDecoderLayer``
 with ``input_layernorm`` removed, neox-style RoPE), and parameter names in
 SafeAILab's layout, so ``state_dict()`` is the checkpoint the plugin loads.
@@ -58,16 +63,35 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: list | None = None
+    ) -> torch.Tensor:
+        """Causal attention; with ``cache`` (one ``(k, v)`` per unrolled step so far, this
+        step's appended), step 0's keys causally and the row's own key at each later step."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads
-        )
+        gqa = self.heads != self.kv_heads
+        if cache is not None:
+            cache.append((k, v))
+        if cache is None or len(cache) == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            keys = torch.cat([kv[0] for kv in cache], dim=2)
+            values = torch.cat([kv[1] for kv in cache], dim=2)
+            mask = ttt_attention_mask(n, len(cache) - 1, x.device)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def ttt_attention_mask(n: int, steps: int, device=None) -> torch.Tensor:
+    """``[n, n * (steps + 1)]``: row i sees step 0's keys at positions <= i and, in each
+    later step's block, only its own key (its ancestors in the draft tree)."""
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal, *[eye] * steps], dim=1)
 
 
 class MLP(nn.Module):
@@ -93,8 +117,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
         self.mlp = MLP(hidden, config["intermediate_size"])
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(x, positions)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: list | None = None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(x, positions, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -130,3 +156,24 @@ class EagleHead(nn.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return x
+
+    def unroll(
+        self, embeds_of, tokens: torch.Tensor, features: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """The training-time test over draft positions: ``tokens [B, L]`` (row i holds
+        t_{i+1}) and the target's ``features [B, L, H]`` (f_i). Returns each step's f̂
+        ``[B, L, H]``: step s at row i takes t_{i+1+s} (``embeds_of`` maps ids to
+        embeddings) with step s-1's f̂ at row i, sits at position i+s and predicts
+        f_{i+1+s}. Step 0 is :meth:`forward`."""
+        b, n = tokens.shape
+        base = torch.arange(n, device=tokens.device)[None, :].expand(b, n)
+        padded = F.pad(tokens, (0, steps))
+        caches: list[list] = [[] for _ in self.layers]
+        outputs = []
+        for s in range(steps):
+            x = self.fc(torch.cat([embeds_of(padded[:, s : s + n]), features], dim=-1))
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, base + s, cache)
+            outputs.append(x)
+            features = x
+        return outputs

@@ -32,7 +32,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,10 +71,11 @@ class TrainConfig:
     log_every: int = 10
     max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this
     seed: int = 0
-    # EAGLE-3 (--arch eagle3, train/eagle3.py): unrolled steps of the training-time test,
-    # their loss decay, target layers ("" = 2, L/2, L-3), optional HASS-style top-K and
+    # unrolled steps of the training-time test (0: the head's default, 5 for EAGLE-3 and 1,
+    # plain EAGLE-1 training, for EAGLE-1) and their loss decay; EAGLE-3 (--arch eagle3,
+    # train/eagle3.py): target layers ("" = 2, L/2, L-3), optional HASS-style top-K and
     # feature terms, a frozen LM head
-    ttt_steps: int = 5
+    ttt_steps: int = 0
     ttt_decay: float = 0.8
     aux_layers: str = ""
     ttt_topk: int = 10
@@ -241,9 +242,19 @@ def collate(examples: list[Example], indices: list[int]):
 
 
 class Trainer:
+    # unrolled training-time-test steps when the config leaves them to the head (ttt_steps 0)
+    default_ttt_steps = 1
+
     def __init__(
         self, target: str | Path, examples: list[Example], out_dir: str | Path, config: TrainConfig
     ):
+        if config.ttt_steps < 0:
+            raise ValueError(
+                f"--ttt-steps {config.ttt_steps}: need 1 or more unrolled steps, or 0 for "
+                f"the head's default. Fix: e.g. --ttt-steps 3."
+            )
+        if config.ttt_steps == 0:
+            config = replace(config, ttt_steps=self.default_ttt_steps)
         self.cfg = config
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -383,35 +394,48 @@ class Trainer:
 
     def _losses(self, indices: list[int], examples: list[Example], train: bool):
         ids, mask, feats = collate(examples, indices)
-        # draft position i: token t_{i+1}, feature f_i -> f̂_{i+1}
+        # draft position i: token t_{i+1}, feature f_i -> f̂_{i+1}, whose token is t_{i+2}
         tokens_in, feats_in, f_next = ids[:, 1:], feats[:, :-1], feats[:, 1:]
-        weight = mask[:, 1:]
         if train:
             feats_in = feature_noise(feats_in, self.cfg.noise, self.cfg.noise_scale)
-        positions = torch.arange(tokens_in.shape[1])[None, :].expand_as(tokens_in)
+        next_tok = F.pad(ids[:, 2:], (0, 1))
+        next_rows = self.row_of[next_tok]
+        next_rows[:, -1] = -1  # the last position's next token lies beyond the sequence
+        # loss rows j: the input token t_{j+1} is an assistant token
+        batch, j = mask[:, 1:].nonzero(as_tuple=True)
+        steps = self.cfg.ttt_steps if train else max(self.cfg.ttt_steps, self.cfg.eval_ttt_steps)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
         with autocast:
-            f_hat = self.model(self.embed[tokens_in], feats_in, positions)
-        # the token f̂_{i+1} predicts is t_{i+2}
-        next_tok = torch.cat([ids[:, 2:], torch.zeros_like(ids[:, :1])], dim=1)
-        next_ok = torch.cat(
-            [
-                torch.ones_like(ids[:, 2:], dtype=torch.bool),
-                torch.zeros_like(ids[:, :1], dtype=torch.bool),
-            ],
-            dim=1,
-        )
-        next_rows = torch.where(next_ok, self.row_of[next_tok], -1)
-        sel = weight.nonzero(as_tuple=True)
-        with autocast:
-            return eagle_loss(
-                f_hat[sel],
-                f_next[sel],
-                next_rows[sel],
-                self.lm_head,
-                ce_weight=self.cfg.ce_weight,
-                ce_labels=self.cfg.ce_labels,
-            )
+            outputs = self.model.unroll(lambda t: self.embed[t], tokens_in, feats_in, steps)
+        # step s scores row j from its output at row j - s (that row's depth-(s+1) draft)
+        total, weight_sum, parts = None, 0.0, {}
+        for s, f_hat in enumerate(outputs):
+            keep = j >= s
+            if not bool(keep.any()):
+                continue
+            rows = (batch[keep], j[keep])
+            with autocast:
+                step = eagle_loss(
+                    f_hat[batch[keep], j[keep] - s],
+                    f_next[rows],
+                    next_rows[rows],
+                    self.lm_head,
+                    ce_weight=self.cfg.ce_weight,
+                    ce_labels=self.cfg.ce_labels,
+                )
+            if s == 0:
+                parts = {k: v for k, v in step.items() if k != "loss"}
+            if s < self.cfg.ttt_steps:
+                weighted = self.cfg.ttt_decay**s * step["loss"]
+                total = weighted if total is None else total + weighted
+                weight_sum += self.cfg.ttt_decay**s
+            if steps > 1:
+                parts[f"acc_{s + 1}"] = step["acc"].detach()
+                parts[f"smooth_l1_{s + 1}"] = step["smooth_l1"]
+        if total is None:  # no assistant token to learn from in this batch
+            total, weight_sum = feats.new_zeros((), requires_grad=True), 1.0
+        parts["loss"] = total / weight_sum
+        return parts
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -551,7 +575,11 @@ def plot_curves(log_path: Path, png_path: Path) -> None:
         ax.plot(steps, [r[key] for r in rows], label=f"train {key}", alpha=0.6)
         val = [(r["step"], r[f"val_{key}"]) for r in rows if f"val_{key}" in r]
         if val:
-            ax.plot(*zip(*val), "o-", label=f"val {key}")
+            ax.plot(*zip(*val), "o-", label=f"val {key}" + (", step 1" if key == "acc" else ""))
+        for s in range(2, 9) if key == "acc" else ():  # the unrolled steps' agreement
+            deeper = [(r["step"], r[f"val_acc_{s}"]) for r in rows if f"val_acc_{s}" in r]
+            if deeper:
+                ax.plot(*zip(*deeper), "o-", label=f"val acc, step {s}")
         ax.set_xlabel("step")
         ax.set_title(key if key != "acc" else "top-1 agreement with the target")
         ax.legend()
