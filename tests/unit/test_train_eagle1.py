@@ -8,21 +8,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train_eagle3 import CONFIG, node_attention
 
-from eagle_vllm.train.head import EagleHead, apply_rope
+from eagle_vllm.train.head import EagleHead
 
 torch.set_num_threads(1)
-
-CONFIG = {
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 50,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-}
 
 
 def _head(seed: int = 0) -> EagleHead:
@@ -38,19 +28,10 @@ def _draft_node(head, embeds, feature, position, prefix_kv, ancestors_kv):
     the prefix's draft KV (first pass, positions before the root's) and to its ancestors'
     KV and its own; returns (f̂, (k, v))."""
     layer = head.layers[0]
-    attn = layer.self_attn
     x = head.fc(torch.cat([embeds, feature], -1))[None, None]
-    pos = torch.tensor([[position]])
-    q = apply_rope(attn.q_proj(x).view(1, 1, attn.heads, -1).transpose(1, 2), pos, attn.theta)
-    k = apply_rope(attn.k_proj(x).view(1, 1, attn.kv_heads, -1).transpose(1, 2), pos, attn.theta)
-    v = attn.v_proj(x).view(1, 1, attn.kv_heads, -1).transpose(1, 2)
-    g = attn.heads // attn.kv_heads
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    keys = torch.cat([prefix_kv[0], *[a[0] for a in ancestors_kv], k], dim=2)
-    values = torch.cat([prefix_kv[1], *[a[1] for a in ancestors_kv], v], dim=2)
-    probs = torch.softmax((q @ keys.transpose(-1, -2)) / attn.head_dim**0.5, -1)
-    h = x + attn.o_proj((probs @ values).transpose(1, 2).reshape(1, 1, -1))
-    return (h + layer.mlp(layer.post_attention_layernorm(h)))[0, 0], (k, v)
+    out, kv = node_attention(layer.self_attn, x, position, prefix_kv, ancestors_kv)
+    h = x + out
+    return (h + layer.mlp(layer.post_attention_layernorm(h)))[0, 0], kv
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -41,12 +41,10 @@ def _head(seed: int = 0, vocab: int = 20) -> Eagle3Head:
     return head
 
 
-def _draft_step(head, embeds, feature, position, prefix_kv, ancestors_kv):
-    """One draft node as the plugin drafts it: attends to the prefix's draft KV (first
-    pass, positions <= root) and to its ancestors' KV; returns (logits, feature, k, v)."""
-    layer = head.layers[0]
-    attn = layer.self_attn
-    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(feature)], -1)[None, None]
+def node_attention(attn, x, position, prefix_kv, ancestors_kv):
+    """A draft node's attention, written out: its query over the prefix's draft KV (first
+    pass, positions before the root's), its ancestors' KV and its own. ``x [1, 1, D]``;
+    returns (output ``[1, 1, H]``, the node's (k, v))."""
     pos = torch.tensor([[position]])
     q = apply_rope(attn.q_proj(x).view(1, 1, attn.heads, -1).transpose(1, 2), pos, attn.theta)
     k = apply_rope(attn.k_proj(x).view(1, 1, attn.kv_heads, -1).transpose(1, 2), pos, attn.theta)
@@ -56,8 +54,16 @@ def _draft_step(head, embeds, feature, position, prefix_kv, ancestors_kv):
     keys = torch.cat([prefix_kv[0], *[a[0] for a in ancestors_kv], k], dim=2)
     values = torch.cat([prefix_kv[1], *[a[1] for a in ancestors_kv], v], dim=2)
     probs = torch.softmax((q @ keys.transpose(-1, -2)) / attn.head_dim**0.5, -1)
-    out = attn.o_proj((probs @ values).transpose(1, 2).reshape(1, 1, -1))[0, 0]
-    h = feature + out
+    return attn.o_proj((probs @ values).transpose(1, 2).reshape(1, 1, -1)), (k, v)
+
+
+def _draft_step(head, embeds, feature, position, prefix_kv, ancestors_kv):
+    """One draft node as the plugin drafts it: attends to the prefix's draft KV (first
+    pass, positions <= root) and to its ancestors' KV; returns (logits, feature, k, v)."""
+    layer = head.layers[0]
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(feature)], -1)[None, None]
+    out, (k, v) = node_attention(layer.self_attn, x, position, prefix_kv, ancestors_kv)
+    h = feature + out[0, 0]
     o = h + layer.mlp(layer.post_attention_layernorm(h))
     return head.lm_head(head.norm(o)), o, (k, v)
 
