@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_vllm.train.features import Example
-from eagle_vllm.train.head import MLP, RMSNorm, apply_rope, rope_theta, ttt_attention_mask
+from eagle_vllm.train.head import MLP, RMSNorm, SelfAttention, rope_theta
 from eagle_vllm.train.trainer import (
     TrainConfig,
     Trainer,
@@ -72,37 +72,15 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-class Eagle3Attention(nn.Module):
-    """q/k/v from [embed ; feature] (2H); attention over step 0's causal keys plus the
-    row's own earlier steps (``keys``/``values`` lists, one entry per step)."""
+class Eagle3Attention(SelfAttention):
+    """q/k/v from [embed ; feature] (2H); the unrolled attention is the EAGLE-1 head's
+    (step 0's causal keys plus the row's own earlier steps, ``cache``)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        super().__init__(hidden, heads, kv_heads, head_dim, theta)
         self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta)
-        cache.append((k, v))
-        steps = len(cache) - 1
-        if steps == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            # step 0's keys causally, then the row's own key at each later step: one fused
-            # attention over the concatenated keys (no [n, n] score tensors kept for backward)
-            keys = torch.cat([kv[0] for kv in cache], dim=2)
-            values = torch.cat([kv[1] for kv in cache], dim=2)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=ttt_attention_mask(n, steps, x.device), enable_gqa=True
-            )
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class Eagle3Layer(nn.Module):
