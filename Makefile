@@ -112,9 +112,14 @@ REF_HEAD_STAGE3 := artifacts/eagle1-stage3
 # the revision whose committed head was stage 3: the experiments that start from stage 3
 # restore it from git when make reference-head has not written it here
 REF_HEAD_STAGE3_REV := 63668f1
-restore_stage3 = test -f $(REF_HEAD_STAGE3)/model.safetensors || { mkdir -p $(REF_HEAD_STAGE3) && \
+restore_head = test -f $(1)/model.safetensors || { mkdir -p $(1) && \
 	for f in config.json model.safetensors draft_vocab.json; do \
-	git show $(REF_HEAD_STAGE3_REV):$(REF_HEAD)/$$f > $(REF_HEAD_STAGE3)/$$f || exit 1; done; }
+	git show $(2):$(REF_HEAD)/$$f > $(1)/$$f || exit 1; done; }
+restore_stage3 = $(call restore_head,$(REF_HEAD_STAGE3),$(REF_HEAD_STAGE3_REV))
+# stage 4 likewise (the committed head of 77b9057), where stage 5 starts
+REF_HEAD_STAGE4 := artifacts/eagle1-ttt3
+REF_HEAD_STAGE4_REV := 77b9057
+restore_stage4 = $(call restore_head,$(REF_HEAD_STAGE4),$(REF_HEAD_STAGE4_REV))
 E3_EVALS2_FEATURES := artifacts/eagle3-features-evals2
 REF_HEAD_STEPS := 700 1100 2000 3000 4000
 REF_HEAD_ARGS := --target models/SmolLM2-135M-Instruct --regen-max-tokens 320 \
@@ -155,7 +160,11 @@ reference-head:
 		--feature-dtype bfloat16 --max-steps 1500 --lr 3e-4 --warmup-steps 20 --eval-every 250 \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
-	{ $(MAKE) --no-print-directory eagle1-ttt-train E1_TTT_OUT=$(REF_HEAD) \
+	test -f $(REF_HEAD_STAGE4)/model.safetensors || { $(MAKE) --no-print-directory \
+		eagle1-ttt-train E1_TTT_STEPS=3 E1_TTT_OUT=$(REF_HEAD_STAGE4) \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+	{ $(MAKE) --no-print-directory eagle1-code-train E1_CODE_OUT=$(REF_HEAD) \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
 
@@ -220,22 +229,25 @@ eagle1-ttt: eagle1-ttt-train
 		--heads $(REF_HEAD_STAGE3),$(E1_TTT_OUT) \
 		--out benchmarks/results/head-agreement-eagle1-ttt$(E1_TTT_STEPS)-cpu
 
-# Code completions (stage 5 candidate): the head as committed (REF_HEAD) continued with
-# the training-time test on SmolLM2's raw completions (no chat template, as HumanEval is
-# served) of E1_CODE_CONVS function stubs from Python's standard library (--data code;
-# regenerated greedy, up to 256 tokens, features extracted first into E1_CODE_FEATURES,
-# both resumable) beside stage 4's first turns (E1_TTT_FEATURES, extracted first if
-# missing), its draft vocabulary kept, E1_CODE_TRAIN_STEPS steps unrolled 3 deep.
-# make eagle1-code also scores it beside REF_HEAD per unrolled step on 80 MT-bench /
-# HumanEval answers, and its τ at T=0 (chain K=3, tree 4/16; stage 4's, the same command
-# with --eagle1-head $(REF_HEAD), is head-tau-eagle1-ttt3-cpu.md: τ at T=0 is
-# deterministic).
+# Stage 5 of the reference head, code completions: stage 4 (REF_HEAD_STAGE4, restored
+# from git if missing) continued with the training-time test on SmolLM2's raw
+# completions (no chat template, as HumanEval is served) of E1_CODE_CONVS function stubs
+# from Python's standard library (--data code; regenerated greedy, up to 256 tokens,
+# their fp32 features extracted first into E1_CODE_FEATURES, both resumable) beside
+# stage 4's first turns (E1_TTT_FEATURES, extracted first if missing), its draft
+# vocabulary kept, E1_CODE_TRAIN_STEPS steps unrolled 3 deep at lr 2e-4: 25 minutes of
+# regeneration, 22 of feature extraction and 26 of training on a 2-core AVX2 machine.
+# make eagle1-code-train writes E1_CODE_OUT; make eagle1-code also scores it beside
+# stage 4 per unrolled step on 80 MT-bench / HumanEval answers, and its τ at T=0 (chain
+# K=3, tree 4/16; stage 4's, the same command with --eagle1-head $(REF_HEAD_STAGE4), is
+# head-tau-eagle1-ttt3-cpu.md: τ at T=0 is deterministic).
 E1_CODE_CONVS ?= 1500
 E1_CODE_TRAIN_STEPS ?= 150
 E1_CODE_FEATURES := artifacts/eagle1-features-code
 E1_CODE_OUT ?= artifacts/eagle1-code
 eagle1-code-train:
 	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(restore_stage4)
 	test -f $(E1_TTT_FEATURES)/meta.json || { mkdir -p artifacts/e1-extract && \
 		test -f artifacts/e1-extract/conversations.partial.jsonl || \
 		cp $(REGEN_DATA)/conversations.partial.jsonl artifacts/e1-extract/; \
@@ -246,13 +258,14 @@ eagle1-code-train:
 		--data code --num-conversations $(E1_CODE_CONVS) --max-len 1024 --regenerate \
 		--regen-max-tokens 256 --regen-dtype auto --features-dir $(E1_CODE_FEATURES) \
 		--feature-dtype bfloat16 --feature-compute-dtype float32 \
-		--extra-features $(E1_TTT_FEATURES) --init-from $(REF_HEAD) --keep-init-vocab \
+		--extra-features $(E1_TTT_FEATURES) --init-from $(REF_HEAD_STAGE4) --keep-init-vocab \
 		--ttt-steps 3 --max-steps $(E1_CODE_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 \
 		--eval-every 50
 eagle1-code: eagle1-code-train
 	$(call engine_env,4) \
 	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
-		--heads $(REF_HEAD),$(E1_CODE_OUT) --out benchmarks/results/head-agreement-eagle1-code-cpu
+		--heads $(REF_HEAD_STAGE4),$(E1_CODE_OUT) \
+		--out benchmarks/results/head-agreement-eagle1-code-cpu
 	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
 		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
 		--eagle1-head $(E1_CODE_OUT) --out benchmarks/results/head-tau-eagle1-code-cpu
