@@ -187,15 +187,22 @@ def evals_conversations(
                     prompts.append([{"role": "user", "content": text}])
         if prompts:
             per_file.append(prompts)
+    return _round_robin(per_file, limit, skip)
+
+
+def _round_robin(groups: list[list[list[dict]]], limit: int | None, skip: int) -> list[list[dict]]:
+    """Each group's first conversation, then each one's second, and so on (so any prefix
+    mixes every group), duplicates (by first message) and evaluation prompts dropped,
+    then cut to ``skip .. skip+limit``."""
     seen: set[str] = set()
     ordered: list[list[dict]] = []
-    for i in range(per_set):
-        for prompts in per_file:
-            if i < len(prompts):
-                key = _normalise(prompts[i][0]["content"])
+    for i in range(max(map(len, groups), default=0)):
+        for group in groups:
+            if i < len(group):
+                key = _normalise(group[i][0]["content"])
                 if key not in seen:
                     seen.add(key)
-                    ordered.append(prompts[i])
+                    ordered.append(group[i])
     ordered = ordered[skip:]
     if limit is not None:
         ordered = ordered[:limit]
@@ -258,7 +265,7 @@ def code_completion_prompts(
     modules; duplicates and HumanEval's own prompts are dropped. ``skip``/``limit`` cut
     that order."""
     root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    per_module: list[list[str]] = []
+    per_module: list[list[list[dict]]] = []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts
         if any(p in ("site-packages", "dist-packages") or p.startswith("test") for p in parts):
@@ -269,18 +276,5 @@ def code_completion_prompts(
             continue
         prompts = _function_prompts(source, per_file, max_chars)
         if prompts:
-            per_module.append(prompts)
-    seen: set[str] = set()
-    ordered: list[list[dict]] = []
-    for i in range(per_file):
-        for prompts in per_module:
-            if i < len(prompts) and _normalise(prompts[i]) not in seen:
-                seen.add(_normalise(prompts[i]))
-                ordered.append([{"role": PROMPT_ROLE, "content": prompts[i]}])
-    ordered = ordered[skip:]
-    if limit is not None:
-        ordered = ordered[:limit]
-    try:
-        return drop_eval_overlap(ordered, eval_prompt_keys())
-    except DatasetMissingError:
-        return ordered
+            per_module.append([[{"role": PROMPT_ROLE, "content": p}] for p in prompts])
+    return _round_robin(per_module, limit, skip)
