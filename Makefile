@@ -82,7 +82,7 @@ vllm-suffix:
 	bash benchmarks/build_arctic_suffix.sh
 
 # The committed reference head (heads/smollm2-135m-instruct-eagle): the exact commands that
-# made it, in four stages.
+# made it, in five stages.
 # Stage 1 (REF_HEAD_STAGE1): the first user turns of ShareGPT conversations 0-4736
 # (MT-bench/HumanEval overlap dropped), answered by SmolLM2 itself (greedy, bf16, up to 320
 # tokens, through vLLM; committed in $(REGEN_DATA), `make regen-data`), so the head learns
@@ -104,7 +104,11 @@ vllm-suffix:
 # prompt: 33 minutes. Written to REF_HEAD_STAGE3.
 # Stage 4: the training-time test (make eagle1-ttt-train below: 120 steps unrolled 3 deep
 # over the first 2000 first turns, from stage 3; 27 minutes of fp32 feature extraction and
-# 21 of training on a 2-core AVX2 machine). Resumable at every stage.
+# 21 of training on a 2-core AVX2 machine). Written to REF_HEAD_STAGE4.
+# Stage 5: code completions (make eagle1-code-train below: 150 more such steps over
+# SmolLM2's completions of 1500 standard-library function stubs beside stage 4's first
+# turns; 25 minutes of regeneration, 22 of feature extraction, 26 of training on a 2-core
+# AVX2 machine). Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
 REF_HEAD_STAGE2 := artifacts/eagle1-stage2
