@@ -107,8 +107,8 @@ vllm-suffix:
 # 21 of training on a 2-core AVX2 machine). Written to REF_HEAD_STAGE4.
 # Stage 5: code completions (make eagle1-code-train below: 150 more such steps over
 # SmolLM2's completions of 1500 standard-library function stubs beside stage 4's first
-# turns; 25 minutes of regeneration, 22 of feature extraction, 26 of training on a 2-core
-# AVX2 machine). Resumable at every stage.
+# turns; 40 minutes of regeneration, 12 of them beside a test suite, 22 of feature
+# extraction, 26 of training on a 2-core AVX2 machine). Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
 REF_HEAD_STAGE2 := artifacts/eagle1-stage2
@@ -239,8 +239,9 @@ eagle1-ttt: eagle1-ttt-train
 # from Python's standard library (--data code; regenerated greedy, up to 256 tokens,
 # their fp32 features extracted first into E1_CODE_FEATURES, both resumable) beside
 # stage 4's first turns (E1_TTT_FEATURES, extracted first if missing), its draft
-# vocabulary kept, E1_CODE_TRAIN_STEPS steps unrolled 3 deep at lr 2e-4: 25 minutes of
-# regeneration, 22 of feature extraction and 26 of training on a 2-core AVX2 machine.
+# vocabulary kept, E1_CODE_TRAIN_STEPS steps unrolled 3 deep at lr 2e-4: 40 minutes of
+# regeneration (12 of them beside a test suite), 22 of feature extraction and 26 of
+# training on a 2-core AVX2 machine.
 # make eagle1-code-train writes E1_CODE_OUT; make eagle1-code also scores it beside
 # stage 4 per unrolled step on 80 MT-bench / HumanEval answers, and its τ at T=0 (chain
 # K=3, tree 4/16; stage 4's, the same command with --eagle1-head $(REF_HEAD_STAGE4), is

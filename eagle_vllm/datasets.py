@@ -124,7 +124,7 @@ def eval_prompt_keys() -> set[str]:
 
 
 def drop_eval_overlap(conversations: list[list[dict]], keys: set[str]) -> list[list[dict]]:
-    """Drop conversations in which any user turn contains an evaluation prompt."""
+    """Drop conversations in which any user turn or raw prompt contains an evaluation prompt."""
     kept = []
     for messages in conversations:
         users = [_normalise(m["content"]) for m in messages if m["role"] in ("user", PROMPT_ROLE)]
