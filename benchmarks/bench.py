@@ -99,9 +99,11 @@ every condition with that cache emptied, so no prompt is ever seen twice; a requ
 may draft from the responses of earlier requests of the same condition, as when
 serving. A seed corpus, if the config has one, stays.
 
-Conditions: MT-bench first turns (chat template) and HumanEval (raw completion),
-batch sizes, temperatures. A batch of size b is b requests submitted together;
-prompts run in waves of b. Each condition is repeated ``--reps`` times; every
+Conditions: MT-bench first turns (chat template; the first ``--num-prompts`` taken
+round-robin over its eight categories, ``mtbench:CATEGORY`` for one) and HumanEval (raw
+completion), batch sizes, temperatures. A batch of size b is b requests submitted
+together; prompts run in waves of b. Each condition is repeated ``--reps`` times (the
+same prompts; prefix caching off, and the untimed warm-up on MT-bench second turns); every
 ratio is computed repetition by repetition against vanilla's same repetition,
 and reported as median [min-max].
 
@@ -152,8 +154,13 @@ def run_table_worker(system: str, args) -> list[dict]:
     """Run every condition for one system in this process; one row per (condition, rep)."""
     from vllm import SamplingParams
 
+    # no prefix cache: the repetitions reuse prompts, and a warm cache would shorten
+    # every prefill after the first
     llm = build_engine(
-        system, args, **engine_kwargs(args.dtype, max(args.batch_sizes), args.max_model_len)
+        system,
+        args,
+        **engine_kwargs(args.dtype, max(args.batch_sizes), args.max_model_len),
+        enable_prefix_caching=False,
     )
     tokenizer = llm.get_tokenizer()
     ours = system in PLUGIN_SYSTEMS
@@ -161,7 +168,8 @@ def run_table_worker(system: str, args) -> list[dict]:
     # warm-up: first calls allocate and fill caches; one untimed batch per batch size
     # (eagle2-auto measures its arms per batch size; every system gets the same warm-up)
     llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    warm_prompts = load_prompts(args.datasets[0], max(args.batch_sizes), tokenizer)
+    # MT-bench second turns: never a timed prompt
+    warm_prompts = load_prompts("mtbench-turn2", max(args.batch_sizes), tokenizer)
     for batch in args.batch_sizes:
         llm.generate(warm_prompts[:batch], SamplingParams(max_tokens=32), use_tqdm=False)
     for rep in range(args.first_rep, args.first_rep + args.reps):

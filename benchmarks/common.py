@@ -74,15 +74,22 @@ PROMPT_SETS = ("mtbench", "mtbench-turn2", "humaneval")
 
 def raw_prompts(dataset: str) -> list[str]:
     """The texts of a prompt set: MT-bench's 80 first (``mtbench``) or second
-    (``mtbench-turn2``) turns, or HumanEval's 164 stubs."""
+    (``mtbench-turn2``) turns, round-robin over its eight categories so that the first
+    few mix them, or HumanEval's 164 stubs. ``mtbench:CATEGORY`` (or
+    ``mtbench-turn2:CATEGORY``) is one category's ten, ``mtbench:writing`` for instance."""
     from eagle_vllm.datasets import humaneval_prompts, mtbench_prompts
 
-    if dataset in ("mtbench", "mtbench-turn2"):
-        return mtbench_prompts(1 if dataset == "mtbench-turn2" else 0)
-    if dataset == "humaneval":
+    name, _, category = dataset.partition(":")
+    if name in ("mtbench", "mtbench-turn2"):
+        try:
+            return mtbench_prompts(1 if name == "mtbench-turn2" else 0, category or None)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    if name == "humaneval" and not category:
         return humaneval_prompts()
     raise SystemExit(
-        f"error: unknown prompt set '{dataset}'. Fix: one of {', '.join(PROMPT_SETS)}."
+        f"error: unknown prompt set '{dataset}'. Fix: one of {', '.join(PROMPT_SETS)}"
+        " (MT-bench's also as mtbench:CATEGORY)."
     )
 
 
@@ -90,7 +97,7 @@ def load_prompts(dataset: str, n: int | None, tokenizer) -> list[str]:
     """The first ``n`` (None: all) prompts of a set: MT-bench turns in the target's chat
     template (a second turn alone, without its first), HumanEval stubs raw (completion)."""
     texts = raw_prompts(dataset)[:n]
-    if dataset == "humaneval":
+    if dataset.startswith("humaneval"):
         return texts
     return [
         tokenizer.apply_chat_template(

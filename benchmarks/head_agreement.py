@@ -38,6 +38,7 @@ plugin runs it (the decoder layer in int8, the feature fc and the LM head in flo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -253,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             convs.append(TokenizedConversation(ids, mask))
         for layers in dict.fromkeys(layers_of.values()):
             name = "last" if layers is None else "-".join(map(str, layers))
+            # one cache per set of answers: another prompt count or order is another cache
+            digest = hashlib.sha1(json.dumps(answers).encode()).hexdigest()[:10]
             cache = extract_features(
-                args.target, convs, Path(args.work) / f"{dataset}-{name}",
+                args.target, convs, Path(args.work) / f"{dataset}-{name}-{digest}",
                 dtype="float32", layers=layers, progress=False,
             )  # fmt: skip
             examples = load_features(cache)

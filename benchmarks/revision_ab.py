@@ -13,6 +13,18 @@ design), so no suffix or prefix cache outlives a run. Every run's speedups over 
 vanilla of the same run are gathered into ``OUT.md``: per condition and system, the
 median [min-max] over rounds for each revision, and their ratio. Run outputs stay in
 ``OUT-runs/``.
+
+``--base-args`` appends bench.py arguments to the base runs only (later arguments win),
+so one revision can be set against itself with another input, a head for instance:
+
+    .venv/bin/python benchmarks/revision_ab.py --base HEAD --rounds 4 \\
+        --base-args "--auto-config benchmarks/results/head-stage5-ab/stage4-calibrated.yaml" \\
+        --out benchmarks/results/head-stage5-ab-batch1-cpu -- table --dtype float32 \\
+        --batch-sizes 1 --systems vanilla,eagle2-auto \\
+        --auto-config benchmarks/results/head-stage5-ab/stage5-calibrated.yaml
+
+Relative paths in ``--base-args`` are resolved in this checkout, since the base worktree
+holds only committed files.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -27,6 +40,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import tau  # noqa: E402
+
 SITECUSTOMIZE = """\
 # revision_ab.py: import eagle_vllm from the base worktree, not the editable install.
 import sys
@@ -42,15 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the revision to compare against")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--base-args", default="",
+                        help="bench.py arguments appended to the base runs only")  # fmt: skip
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="-- then bench.py's arguments (without --out)")  # fmt: skip
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]
     if not bench_args or "--out" in bench_args:
         raise SystemExit("error: give bench.py's arguments after --, without --out")
+    base_extra = [_absolute(a) for a in shlex.split(args.base_args)]
     base = _git("rev-parse", "--short", args.base)
     head = _git("rev-parse", "--short", "HEAD")
     new_label = f"{head}+changes" if _git("status", "--porcelain", "eagle_vllm") else head
+    base_label = f"{base} {args.base_args}" if base_extra else base
     runs = Path(args.out + "-runs").resolve()
     runs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="revision-ab-") as tmp:
@@ -63,21 +84,30 @@ def main(argv: list[str] | None = None) -> int:
             hook = Path(tmp) / "hook"
             hook.mkdir()
             (hook / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tree=str(tree)))
-            trees = {"new": (ROOT, {}), "base": (tree, {"PYTHONPATH": str(hook)})}
+            trees = {
+                "new": (ROOT, {}, []),
+                "base": (tree, {"PYTHONPATH": str(hook)}, base_extra),
+            }
             for r in range(args.rounds):
                 for label in ("new", "base") if r % 2 == 0 else ("base", "new"):
-                    where, env = trees[label]
+                    where, env, extra = trees[label]
                     out = runs / f"{label}-{r}"
-                    cmd = [sys.executable, "benchmarks/bench.py", *bench_args, "--out", str(out)]
+                    cmd = [sys.executable, "benchmarks/bench.py", *bench_args, *extra,
+                           "--out", str(out)]  # fmt: skip
                     print(f"== round {r + 1} of {args.rounds}: {label}", flush=True)
                     subprocess.run(cmd, cwd=where, env={**os.environ, **env}, check=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                            check=False)  # fmt: skip
-    md = summarize(runs, args.rounds, {"new": new_label, "base": base}, bench_args, argv)
+    md = summarize(runs, args.rounds, {"new": new_label, "base": base_label}, bench_args, argv)
     Path(args.out + ".md").write_text(md)
     print(md)
     return 0
+
+
+def _absolute(arg: str) -> str:
+    """A base-only argument naming a file or folder of this checkout, made absolute."""
+    return str((ROOT / arg).resolve()) if (ROOT / arg).exists() else arg
 
 
 def _git(*args: str) -> str:
@@ -106,8 +136,19 @@ def speedups(path: Path) -> dict[tuple, float]:
     }
 
 
+def taus(path: Path) -> dict[tuple, float]:
+    """(condition..., system) -> the run's τ (1 + accepted / drafts), where it drafted."""
+    rows = json.loads(path.read_text())["rows"]
+    return {
+        (*(r[k] for k in CONDITION_FIELDS if k in r), r["system"]): tau(r["spec"])
+        for r in rows
+        if r.get("spec") and tau(r["spec"]) is not None
+    }
+
+
 def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> str:
     per = {label: [speedups(runs / f"{label}-{r}.json") for r in range(rounds)] for label in labels}
+    per_tau = {label: [taus(runs / f"{label}-{r}.json") for r in range(rounds)] for label in labels}
     keys = sorted(set().union(*(s.keys() for s in per["new"])))
     first_row = json.loads((runs / "new-0.json").read_text())["rows"][0]
     fields = [k for k in CONDITION_FIELDS if k in first_row]
@@ -129,8 +170,8 @@ def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> 
         "",
         "| "
         + " | ".join(names[f] for f in fields)
-        + f" | system | {labels['base']} | {labels['new']} | ratio of medians |",
-        "|" + "---|" * (len(fields) + 4),
+        + f" | system | {labels['base']} | {labels['new']} | ratio of medians | τ, base | τ, new |",
+        "|" + "---|" * (len(fields) + 6),
     ]
     for key in keys:
         new = [s[key] for s in per["new"] if key in s]
@@ -139,7 +180,14 @@ def summarize(runs: Path, rounds: int, labels: dict, bench_args: list, argv) -> 
             continue
         ratio = statistics.median(new) / statistics.median(old)
         shown = [f"{v:g}" if isinstance(v, float) else str(v) for v in key]
-        lines.append(f"| {' | '.join(shown)} | {cell(old)} | {cell(new)} | {ratio:.2f} |")
+        tau_cells = []
+        for label in ("base", "new"):
+            values = [t[key] for t in per_tau[label] if key in t]
+            tau_cells.append(cell(values) if values else "-")
+        lines.append(
+            f"| {' | '.join(shown)} | {cell(old)} | {cell(new)} | {ratio:.2f} | "
+            f"{' | '.join(tau_cells)} |"
+        )
     return "\n".join(lines) + "\n"
 
 

