@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(prompt) :] = True
             convs.append(TokenizedConversation(ids, mask))
+        # one cache per set of answers: another prompt count or order is another cache
+        digest = hashlib.sha1(json.dumps(answers).encode()).hexdigest()[:10]
         for layers in dict.fromkeys(layers_of.values()):
             name = "last" if layers is None else "-".join(map(str, layers))
-            # one cache per set of answers: another prompt count or order is another cache
-            digest = hashlib.sha1(json.dumps(answers).encode()).hexdigest()[:10]
             cache = extract_features(
                 args.target, convs, Path(args.work) / f"{dataset}-{name}-{digest}",
                 dtype="float32", layers=layers, progress=False,

@@ -75,22 +75,28 @@ def mtbench_prompts(turn: int = 0, category: str | None = None) -> list[str]:
     humanities): the file lists them ten by ten, so its first prompts would all be
     writing, and a benchmark over the first few prompts would measure one category.
     ``category``: that category's ten only, in file order."""
-    questions = _mtbench_questions()
-    categories = mtbench_categories()
-    if category is not None and category not in categories:
+    per_category: dict[str, list[str]] = {}
+    for q in _mtbench_questions():
+        per_category.setdefault(q["category"], []).append(q["turns"][turn])
+    if category is None:
+        return _interleave(list(per_category.values()))
+    if category not in per_category:
         raise ValueError(
-            f"unknown MT-bench category '{category}'. Fix: one of {', '.join(categories)}."
+            f"unknown MT-bench category '{category}'. Fix: one of {', '.join(per_category)}."
         )
-    per_category = [[q for q in questions if q["category"] == c] for c in categories]
-    if category is not None:
-        return [q["turns"][turn] for q in per_category[categories.index(category)]]
-    longest = max(map(len, per_category))
-    return [qs[i]["turns"][turn] for i in range(longest) for qs in per_category if i < len(qs)]
+    return per_category[category]
 
 
 def _mtbench_questions() -> list[dict]:
     lines = package_file(*MTBENCH).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def _interleave(groups: list[list]) -> list:
+    """Each group's first item, then each one's second, and so on: any prefix mixes every
+    group."""
+    longest = max(map(len, groups), default=0)
+    return [group[i] for i in range(longest) for group in groups if i < len(group)]
 
 
 def humaneval_prompts() -> list[str]:
@@ -219,13 +225,11 @@ def _round_robin(groups: list[list[list[dict]]], limit: int | None, skip: int) -
     then cut to ``skip .. skip+limit``."""
     seen: set[str] = set()
     ordered: list[list[dict]] = []
-    for i in range(max(map(len, groups), default=0)):
-        for group in groups:
-            if i < len(group):
-                key = _normalise(group[i][0]["content"])
-                if key not in seen:
-                    seen.add(key)
-                    ordered.append(group[i])
+    for conv in _interleave(groups):
+        key = _normalise(conv[0]["content"])
+        if key not in seen:
+            seen.add(key)
+            ordered.append(conv)
     ordered = ordered[skip:]
     if limit is not None:
         ordered = ordered[:limit]
