@@ -66,6 +66,8 @@ class SuffixConfig:
     suffix branches cost no draft pass); ``max_nodes`` is the suffix tree's node budget per
     request and step, root excluded; ``cache_requests`` is how many finished responses the
     global index keeps (0: off); ``min_prob`` the least path probability of a candidate;
+    ``spec_factor`` bounds the depth drafted from a match of m tokens to
+    ``floor(spec_factor * m)`` (vLLM's ``suffix_decoding_max_spec_factor``);
     ``seed_corpus``/``seed_tokens``: an optional JSONL corpus (token ids or text) the
     global index starts from, bounded in tokens.
     """
@@ -74,6 +76,7 @@ class SuffixConfig:
     max_nodes: int = 8
     cache_requests: int = 1000
     min_prob: float = 0.1
+    spec_factor: float = 1.0
     seed_corpus: str | None = None
     seed_tokens: int = 1_000_000
 
@@ -83,6 +86,7 @@ SUFFIX_KEYS: dict[str, tuple[type, ...]] = {
     "max_nodes": (int,),
     "cache_requests": (int,),
     "min_prob": (float, int),
+    "spec_factor": (float, int),
     "seed_corpus": (str, os.PathLike),
     "seed_tokens": (int,),
 }
@@ -560,6 +564,9 @@ def _parse_suffix_section(value: dict[str, Any] | None, base_dir: Path) -> Suffi
     if not 0.0 < cfg.min_prob <= 1.0:
         raise _fail("suffix.min_prob", f"{cfg.min_prob} is outside (0, 1]",
                     "use a path probability such as 0.1")  # fmt: skip
+    if cfg.spec_factor <= 0:
+        raise _fail("suffix.spec_factor", f"{cfg.spec_factor} is not above 0",
+                    "use a depth per matched token such as 1.0")  # fmt: skip
     corpus = value.get("seed_corpus")
     if corpus is not None:
         path = Path(os.fspath(corpus)).expanduser()

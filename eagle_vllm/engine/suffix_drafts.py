@@ -133,7 +133,7 @@ class SuffixDrafts:
                 continue
             cands = self.requests.propose(
                 req_id, max_nodes=cfg.max_nodes + 1, max_depth=cfg.max_depth,
-                min_prob=cfg.min_prob,
+                min_prob=cfg.min_prob, spec_factor=cfg.spec_factor,
             )  # fmt: skip
             out.append(cands)
             if self.record is not None:

@@ -877,9 +877,10 @@ def test_suffix_section_in_every_head_method(models, tmp_path):
     assert chain.uses_trees  # suffix branches make the chain a tree
     tree = parse_speculative_config(
         {"method": "eagle2", "model": d, "num_speculative_tokens": 2, "topk": 2,
-         "total_tokens": 12, "suffix": {"max_depth": 6, "min_prob": 0.2}}
+         "total_tokens": 12, "suffix": {"max_depth": 6, "min_prob": 0.2, "spec_factor": 2}}
     )  # fmt: skip
     assert (tree.suffix.max_depth, tree.suffix.min_prob, tree.total_tokens) == (6, 0.2, 12)
+    assert tree.suffix.spec_factor == 2 and chain.suffix.spec_factor == 1.0
     auto = parse_speculative_config(
         {"method": "eagle2", "model": d, "total_tokens": "auto", "max_total_tokens": 16,
          "suffix": {"cache_requests": 0}}
@@ -909,6 +910,9 @@ def test_suffix_nodes_raise_the_tree_bound(models):
         ({"min_prob": 0.0}, "suffix.min_prob"),
         ({"min_prob": 1.5}, "suffix.min_prob"),
         ({"min_prob": "high"}, "suffix.min_prob"),
+        ({"spec_factor": 0}, "suffix.spec_factor"),
+        ({"spec_factor": -1.5}, "suffix.spec_factor"),
+        ({"spec_factor": "deep"}, "suffix.spec_factor"),
         ({"max_nodes": True}, "suffix.max_nodes"),
         ({"depth": 4}, "suffix.depth"),
         ({"seed_corpus": "missing.jsonl"}, "suffix.seed_corpus"),

@@ -81,6 +81,17 @@ def test_propose_skips_and_records():
     assert drafts.record == {"a": [cands[0].tokens[1:]]}
 
 
+@pytest.mark.parametrize("spec_factor,depth", [(1.0, 2), (2.0, 4), (1.5, 3)])
+def test_spec_factor_bounds_the_depth_a_match_drafts(spec_factor, depth):
+    # "7 8" occurred once before, followed by 1 2 3 4 5: a 2-token match drafts
+    # floor(spec_factor * 2) deep along it
+    drafts = SuffixDrafts(SuffixConfig(max_nodes=8, spec_factor=spec_factor))
+    drafts.note_scheduled(_scheduled(new=[("a", None)]))
+    drafts.sync(["a"], {"a": _state([7, 8, 1, 2, 3, 4, 5, 6, 7, 8], [])}, [[]], False)
+    (cands,) = drafts.propose(["a"])
+    assert cands.tokens[1:] == [1, 2, 3, 4, 5][:depth]
+
+
 def test_observe_counts_sources_and_calibrates():
     from eagle_vllm.tree.layout import DraftTree
 
