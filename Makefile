@@ -16,7 +16,7 @@ TRITON_PKGS := .triton-pkgs
 engine_env = VLLM_CPU_KVCACHE_SPACE=$(1) VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) \
 	LD_PRELOAD=$(abspath $(VENV))/lib/libiomp5.so
 
-.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle1-ttt eagle1-ttt-train eagle1-code eagle1-code-train feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
+.PHONY: setup test test-slow lint bench vllm-suffix reference-head eagle1-stage4 eagle1-ttt eagle1-ttt-train eagle1-code eagle1-code-train eagle1-stage6 eagle1-stage6-train feature-compute-ab eagle3-head eagle3-shared-head ablation-head regen-data regen-data-turns regen-data-evals
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -108,7 +108,12 @@ vllm-suffix:
 # Stage 5: code completions (make eagle1-code-train below: 150 more such steps over
 # SmolLM2's completions of 1500 standard-library function stubs beside stage 4's first
 # turns; 40 minutes of regeneration, 12 of them beside a test suite, 22 of feature
-# extraction, 26 of training on a 2-core AVX2 machine). Resumable at every stage.
+# extraction, 26 of training on a 2-core AVX2 machine). Written to REF_HEAD_STAGE5.
+# Stage 6: the rest of the standard library's stubs and a longer stage (make
+# eagle1-stage6-train below: 300 more such steps over the completions of the remaining 594
+# stubs beside stage 5's data; 13 minutes of regeneration, 7 of feature extraction and 78
+# of training, about 43 of them alone: τ measurements shared the 2 cores for the rest).
+# Resumable at every stage.
 REF_HEAD := heads/smollm2-135m-instruct-eagle
 REF_HEAD_STAGE1 := artifacts/eagle1-stage1
 REF_HEAD_STAGE2 := artifacts/eagle1-stage2
@@ -168,7 +173,11 @@ reference-head:
 		eagle1-ttt-train E1_TTT_STEPS=3 E1_TTT_OUT=$(REF_HEAD_STAGE4) \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
-	{ $(MAKE) --no-print-directory eagle1-code-train E1_CODE_OUT=$(REF_HEAD) \
+	test -f $(REF_HEAD_STAGE5)/model.safetensors || { $(MAKE) --no-print-directory \
+		eagle1-code-train E1_CODE_OUT=$(REF_HEAD_STAGE5) \
+		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
+	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
+	{ $(MAKE) --no-print-directory eagle1-stage6-train E1_STAGE6_OUT=$(REF_HEAD) \
 		2>&1 || echo failed > $(REF_HEAD).failed; } | tee -a $(REF_HEAD).log
 	test ! -f $(REF_HEAD).failed || { rm $(REF_HEAD).failed; exit 1; }
 
@@ -274,6 +283,51 @@ eagle1-code: eagle1-code-train
 	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
 		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
 		--eagle1-head $(E1_CODE_OUT) --out benchmarks/results/head-tau-eagle1-code-cpu
+
+# Stage 6 of the reference head: stage 5 (REF_HEAD_STAGE5, restored from git if missing)
+# continued with the training-time test over SmolLM2's completions of the standard
+# library's remaining E1_CODE_REST_CONVS function stubs (after stage 5's E1_CODE_CONVS;
+# regenerated and extracted into their own cache E1_CODE_REST_FEATURES, so stage 5's stays
+# valid) beside stage 5's stubs and stage 4's first turns, its draft vocabulary kept,
+# E1_STAGE6_TRAIN_STEPS steps unrolled 3 deep at lr 2e-4. make eagle1-stage6-train writes
+# E1_STAGE6_OUT; make eagle1-stage6 also scores it beside stage 5 per unrolled step on 80
+# MT-bench / HumanEval answers and measures its τ at T=0 (chain K=3, tree 4/16; stage
+# 5's, the same command with --eagle1-head $(REF_HEAD_STAGE5)).
+REF_HEAD_STAGE5 := artifacts/eagle1-code
+REF_HEAD_STAGE5_REV := 894cd0d
+restore_stage5 = $(call restore_head,$(REF_HEAD_STAGE5),$(REF_HEAD_STAGE5_REV))
+E1_CODE_REST_CONVS ?= 594
+E1_CODE_REST_FEATURES := artifacts/eagle1-features-code2
+E1_CODE_REST_EXTRACT := artifacts/e1-code2-extract
+E1_STAGE6_TRAIN_STEPS ?= 300
+E1_STAGE6_OUT ?= artifacts/eagle1-stage6
+E1_CODE_REST_ARGS = $(REF_HEAD_ARGS) --data code --num-conversations $(E1_CODE_REST_CONVS) \
+	--skip-conversations $(E1_CODE_CONVS) --max-len 1024 --regenerate --regen-max-tokens 256 \
+	--regen-dtype auto --features-dir $(E1_CODE_REST_FEATURES) --feature-dtype bfloat16 \
+	--feature-compute-dtype float32
+eagle1-stage6-train:
+	test -d models/SmolLM2-135M-Instruct || $(VENV)/bin/eagle-vllm prepare smollm2
+	$(restore_stage5)
+	test -f $(E1_CODE_FEATURES)/meta.json || $(MAKE) --no-print-directory eagle1-code-train \
+		E1_CODE_OUT=artifacts/code-extract E1_CODE_TRAIN_STEPS=0
+	test -f $(E1_CODE_REST_FEATURES)/meta.json || { $(call engine_env,$(REGEN_KV_GIB)) \
+		$(VENV)/bin/eagle-vllm train $(E1_CODE_REST_ARGS) --out $(E1_CODE_REST_EXTRACT) \
+		--max-steps 0; }
+	mkdir -p $(E1_STAGE6_OUT)
+	test -f $(E1_STAGE6_OUT)/conversations.jsonl || \
+		cp $(E1_CODE_REST_EXTRACT)/conversations.jsonl $(E1_STAGE6_OUT)/
+	$(VENV)/bin/eagle-vllm train $(E1_CODE_REST_ARGS) --out $(E1_STAGE6_OUT) \
+		--extra-features $(E1_CODE_FEATURES) --extra-features $(E1_TTT_FEATURES) \
+		--init-from $(REF_HEAD_STAGE5) --keep-init-vocab --ttt-steps 3 \
+		--max-steps $(E1_STAGE6_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 --eval-every 100
+eagle1-stage6: eagle1-stage6-train
+	$(call engine_env,4) \
+	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
+		--heads $(REF_HEAD_STAGE5),$(E1_STAGE6_OUT) \
+		--out benchmarks/results/head-agreement-eagle1-stage6-cpu
+	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
+		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
+		--eagle1-head $(E1_STAGE6_OUT) --out benchmarks/results/head-tau-eagle1-stage6-cpu
 
 # Whether a head trained on features its target computed in bf16 (--feature-compute-dtype
 # bfloat16, the faster extraction on a CPU with AVX-512 BF16) drafts as well for an fp32
