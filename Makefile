@@ -275,14 +275,17 @@ eagle1-code-train:
 		--extra-features $(E1_TTT_FEATURES) --init-from $(REF_HEAD_STAGE4) --keep-init-vocab \
 		--ttt-steps 3 --max-steps $(E1_CODE_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 \
 		--eval-every 50
-eagle1-code: eagle1-code-train
-	$(call engine_env,4) \
-	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
-		--heads $(REF_HEAD_STAGE4),$(E1_CODE_OUT) \
-		--out benchmarks/results/head-agreement-eagle1-code-cpu
+# A reference-head stage's scores: agreement per unrolled step of head $(2) beside head
+# $(1) on 80 MT-bench / HumanEval answers, as served, and $(2)'s τ at T=0 (chain K=3, tree
+# 4/16), written to benchmarks/results/head-agreement-$(3)-cpu and head-tau-$(3)-cpu.
+score_stage = $(call engine_env,4) $(VENV)/bin/python benchmarks/head_agreement.py \
+	--prompts 80 --context-vocab --heads $(1),$(2) \
+	--out benchmarks/results/head-agreement-$(3)-cpu && \
 	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
-		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
-		--eagle1-head $(E1_CODE_OUT) --out benchmarks/results/head-tau-eagle1-code-cpu
+	--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
+	--eagle1-head $(2) --out benchmarks/results/head-tau-$(3)-cpu
+eagle1-code: eagle1-code-train
+	$(call score_stage,$(REF_HEAD_STAGE4),$(E1_CODE_OUT),eagle1-code)
 
 # Stage 6 of the reference head: stage 5 (REF_HEAD_STAGE5, restored from git if missing)
 # continued with the training-time test over SmolLM2's completions of the standard
@@ -321,13 +324,7 @@ eagle1-stage6-train:
 		--init-from $(REF_HEAD_STAGE5) --keep-init-vocab --ttt-steps 3 \
 		--max-steps $(E1_STAGE6_TRAIN_STEPS) --lr 2e-4 --warmup-steps 10 --eval-every 100
 eagle1-stage6: eagle1-stage6-train
-	$(call engine_env,4) \
-	$(VENV)/bin/python benchmarks/head_agreement.py --prompts 80 --context-vocab \
-		--heads $(REF_HEAD_STAGE5),$(E1_STAGE6_OUT) \
-		--out benchmarks/results/head-agreement-eagle1-stage6-cpu
-	$(call engine_env,4) $(VENV)/bin/python benchmarks/head_tau.py \
-		--systems e1-chain3,e1-tree4x16 --temperatures 0 --draft-vocab 4096 \
-		--eagle1-head $(E1_STAGE6_OUT) --out benchmarks/results/head-tau-eagle1-stage6-cpu
+	$(call score_stage,$(REF_HEAD_STAGE5),$(E1_STAGE6_OUT),eagle1-stage6)
 
 # Whether a head trained on features its target computed in bf16 (--feature-compute-dtype
 # bfloat16, the faster extraction on a CPU with AVX-512 BF16) drafts as well for an fp32
