@@ -69,7 +69,9 @@ class SuffixConfig:
     ``spec_factor`` bounds the depth drafted from a match of m tokens to
     ``floor(spec_factor * m)`` (vLLM's ``suffix_decoding_max_spec_factor``);
     ``seed_corpus``/``seed_tokens``: an optional JSONL corpus (token ids or text) the
-    global index starts from, bounded in tokens.
+    global index starts from, bounded in tokens; ``expand``: EAGLE passes also expand
+    suffix nodes outside the head's beam (``tree/merge.py``, ``SuffixGuide``; off by
+    default, measured not to pay with the shipped head).
     """
 
     max_depth: int = 8
@@ -79,6 +81,7 @@ class SuffixConfig:
     spec_factor: float = 1.0
     seed_corpus: str | None = None
     seed_tokens: int = 1_000_000
+    expand: bool = False
 
 
 SUFFIX_KEYS: dict[str, tuple[type, ...]] = {
@@ -89,6 +92,7 @@ SUFFIX_KEYS: dict[str, tuple[type, ...]] = {
     "spec_factor": (float, int),
     "seed_corpus": (str, os.PathLike),
     "seed_tokens": (int,),
+    "expand": (bool,),
 }
 
 
@@ -548,7 +552,8 @@ def _parse_suffix_section(value: dict[str, Any] | None, base_dir: Path) -> Suffi
             f"remove it; the suffix section's keys are {sorted(SUFFIX_KEYS)}",
         )  # fmt: skip
     for key, types in SUFFIX_KEYS.items():
-        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
+        if key in value and (not isinstance(value[key], types)
+                             or (isinstance(value[key], bool) and bool not in types)):  # fmt: skip
             raise _fail(
                 f"suffix.{key}",
                 f"expected {' or '.join(t.__name__ for t in types)}, "

@@ -49,6 +49,7 @@ from eagle_vllm.models.eagle3_llama import ARCHITECTURE3
 from eagle_vllm.models.eagle_llama import ARCHITECTURE
 from eagle_vllm.tree.builder import TreeBuilder, depth_one_tree
 from eagle_vllm.tree.layout import DraftTree
+from eagle_vllm.tree.merge import SuffixGuide
 
 
 class _TreeNodeAttention(nn.Module):
@@ -356,6 +357,11 @@ class EagleTreeProposer(StepBound, EagleProposer):
 
         req_ids = step.req_ids[:batch_size]
         temperatures = self._sampling_temperatures(req_ids, sampling_metadata, step)
+        suffix = step.suffix_candidates
+        if suffix is not None and temperatures is not None:  # sampled chains stay draws from q
+            suffix = [None if t > 0 else c for t, c in zip(temperatures.tolist(), suffix)]
+        if suffix is not None and not any(c is not None and c.num_nodes > 1 for c in suffix):
+            suffix = None
         self._context_columns = self._step_context_columns(req_ids)
         try:
             tree, draft_q, q_token_ids = self.draft_tree(
@@ -367,14 +373,13 @@ class EagleTreeProposer(StepBound, EagleProposer):
                 nodes=nodes,
                 passes=passes,
                 temperatures=temperatures,
+                suffix=suffix if cfg.suffix is not None and cfg.suffix.expand else None,
+                calibration=step.source_calibration,
             )
         finally:
             self._context_columns = None
         step.drafted_size = (passes, nodes)
-        suffix = step.suffix_candidates
-        if suffix is not None and temperatures is not None:  # sampled chains stay draws from q
-            suffix = [None if t > 0 else c for t, c in zip(temperatures.tolist(), suffix)]
-        if suffix is not None and any(c is not None and c.num_nodes > 1 for c in suffix):
+        if suffix is not None:
             drafts = merge_drafts(step, tree, suffix, nodes, step.source_calibration)
         else:
             step.drafted = DraftedTrees(req_ids=req_ids, tree=tree)
@@ -554,10 +559,15 @@ class EagleTreeProposer(StepBound, EagleProposer):
         nodes: int,
         passes: int,
         temperatures: torch.Tensor | None = None,
+        suffix: list | None = None,
+        calibration: torch.Tensor | None = None,
     ) -> tuple[DraftTree, torch.Tensor | None, torch.Tensor | None]:
         """Expand (``passes`` draft passes) and rerank a tree of ``nodes`` nodes per
         request, from the root's draft output. ``temperatures`` [B] (chains only): sample
-        each draft from the draft distribution at that temperature (0: argmax). Returns
+        each draft from the draft distribution at that temperature (0: argmax).
+        ``suffix``: each request's suffix candidates (or None), whose nodes compete with
+        the head's for each pass's frontier (``tree.merge.SuffixGuide``; ``calibration``
+        the sources' factors, as the merge takes them). Returns
         the trees and, when sampling, q ``[B, passes, V']`` (node j's child distribution)
         over the token ids returned last (None: the full vocabulary)."""
         cfg = self.eagle_config
@@ -570,11 +580,21 @@ class EagleTreeProposer(StepBound, EagleProposer):
         builder = TreeBuilder(root_tokens, cfg.topk, nodes, passes, root_topk=cfg.root_topk)
         q_rows: list[torch.Tensor] = []
         q_token_ids = None
+        guide = None
+        if suffix is not None and temperatures is None and passes > 1:
+            guide = SuffixGuide(suffix, calibration)
 
         def expand(logprobs: torch.Tensor, token_ids: torch.Tensor | None) -> None:
-            nonlocal q_token_ids
+            nonlocal q_token_ids, guide
             if temperatures is None:
-                builder.step(logprobs, token_ids)
+                offered = None
+                if guide is not None and builder.passes_done < passes - 1:
+                    offered = guide.offers()  # None: no frontier row on a suffix node
+                frontier = builder.step(logprobs, token_ids, offered=offered)
+                if offered is None:
+                    guide = None
+                else:
+                    guide.advance(*frontier.host_lists())
                 return
             children, q = self._choose_children(logprobs, temperatures)
             q_rows.append(q[:, 0])  # chains: one frontier row per pass
@@ -582,6 +602,8 @@ class EagleTreeProposer(StepBound, EagleProposer):
             builder.step(logprobs, token_ids, children=children)
 
         def finish() -> tuple[DraftTree, torch.Tensor | None, torch.Tensor | None]:
+            if self._step is not None:
+                self._step.suffix_nodes_expanded = builder.offered_in_frontier
             draft_q = torch.stack(q_rows, dim=1) if q_rows else None
             return builder.finalize(pad_to=nodes), draft_q, q_token_ids
 

@@ -353,6 +353,8 @@ class EagleCPUModelRunner(CPUModelRunner):
                         sample_hidden_states, aux_hidden_states, *args, **kwargs,
                     )  # fmt: skip
         self._drafted = step.drafted
+        if self.suffix is not None:
+            self.suffix.expanded += step.suffix_nodes_expanded
         step.record.draft_ran = True
         # deferred draft KV written in this step is the cost of earlier drafts-off steps,
         # not of this step's tree: keep it out of the sizer's draft cost

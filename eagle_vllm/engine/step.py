@@ -80,6 +80,8 @@ class StepState:
     # calibration the merge ranks them with ([4, D + 1] factors per source and depth)
     suffix_candidates: list | None = None
     source_calibration: torch.Tensor | None = None
+    # suffix nodes the head had not proposed that a draft pass expanded (SuffixGuide)
+    suffix_nodes_expanded: int = 0
     # the trees drafted in this step, for the next, and their (passes, nodes)
     drafted: DraftedTrees | None = None
     drafted_size: tuple[int, int] = (0, 1)

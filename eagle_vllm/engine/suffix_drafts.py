@@ -71,6 +71,8 @@ class SuffixDrafts:
         self.drafted = {EAGLE: 0, SUFFIX: 0, BOTH: 0}
         self.host_seconds = 0.0
         self.host_steps = 0
+        # suffix nodes the head had not proposed that its draft passes expanded
+        self.expanded = 0
         # req_id -> every step's suffix candidate tokens (inspection; None: off)
         self.record: dict[str, list[list[int]]] | None = None
 
@@ -185,6 +187,7 @@ class SuffixDrafts:
             "host_seconds": self.host_seconds,
             "host_steps": self.host_steps,
             "host_ms_per_step": 1e3 * self.host_seconds / max(1, self.host_steps),
+            "expanded": self.expanded,
             "cached_responses": len(self.cache),
             "cached_tokens": self.cache.num_tokens,
             "seed_tokens": self.seed_tokens,

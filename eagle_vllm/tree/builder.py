@@ -25,6 +25,13 @@ Semantics (EAGLE-2 "expand + rerank", SafeAILab ``topK_genrate``):
 * Rerank (:meth:`TreeBuilder.finalize`): request ``b`` keeps the top
   ``nodes[b] - 1`` candidates over all depths (clamped to the number of
   candidates), plus the root.
+* Offered children (``step(offered=...)``, suffix candidates through
+  ``merge.SuffixGuide``): another source's children of the frontier nodes, with
+  their own values (capped by the parent's score). One that is a top-k child raises
+  that child's score; another becomes a candidate numbered after the level's
+  top-k children. Both kinds compete for the next frontier and the rerank like
+  the head's children. Requests offered fewer than the batch's most take padding
+  slots that are never selected.
 
 Candidate numbering.  The root is candidate 0.  Step ``s`` appends its
 ``w * k`` children (``k``: ``root_topk`` for the root's step, ``topk`` after) with
@@ -89,6 +96,7 @@ from __future__ import annotations
 import functools
 import operator
 from array import array
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -117,6 +125,13 @@ class Frontier:
     @property
     def width(self) -> int:
         return len(self._rows)
+
+    def host_lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Per request, the rows' tokens and their parents' rows in the frontier before,
+        as Python lists (no tensor made); for the root frontier, the root and -1."""
+        if isinstance(self._tokens, Tensor):
+            return [[t] for t in self._tokens.reshape(-1).tolist()], [[-1]] * len(self._scores)
+        return self._tokens, self._parent_index
 
     @functools.cached_property
     def _token_and_parent(self) -> Tensor:
@@ -235,6 +250,12 @@ class TreeBuilder:
         self._cand_parent_row: list[int] = []
         self._passes_done = 0
         self._next_row = 1
+        # offered children (``step(offered=...)``): per request, their candidate positions'
+        # parent rows, and the positions of unused offer slots (padding, never kept)
+        self._extra_parent_row: list[dict[int, int]] = [{} for _ in range(b)]
+        self._padding: list[set[int]] = [set() for _ in range(b)]
+        # offered children that were not the head's top-k and took a frontier row
+        self.offered_in_frontier = 0
 
         # the frontier: per request, its nodes' scores, candidate ids and ancestor rows
         self._f_scores: list[list[float]] = [[0.0] for _ in range(b)]
@@ -262,7 +283,11 @@ class TreeBuilder:
         return self._frontier
 
     def step(
-        self, logprobs: Tensor, token_ids: Tensor | None = None, children: Tensor | None = None
+        self,
+        logprobs: Tensor,
+        token_ids: Tensor | None = None,
+        children: Tensor | None = None,
+        offered: Sequence[Sequence[tuple[int, int, float]]] | None = None,
     ) -> Frontier:
         """Expand the current frontier with its children distributions.
 
@@ -274,6 +299,13 @@ class TreeBuilder:
         (e.g. sampled from the draft distribution) instead of the top-k; they
         keep the caller's order, which a sampled-draft verifier relies on.
         ``k`` is ``root_topk`` for the root's step and ``topk`` after it.
+        ``offered``: per request, extra children ``(frontier row, token, log value)``
+        from another source (suffix candidates, ``merge.SuffixGuide``). An offered
+        token that is among its parent's top-k children raises that child's score to
+        the offered value if higher; any other becomes a candidate of its own. Offered
+        scores are capped by the parent's, so parents still rank first. They compete
+        for the next frontier like the head's children, so the next pass expands the
+        best nodes of both sources. Not with ``children``.
         Returns the next frontier.
         """
         if self._passes_done >= self.passes:
@@ -301,29 +333,46 @@ class TreeBuilder:
         parent_scores = [s for fs in self._f_scores for s in fs]
         flat = _float32([s + v for s, row in zip(parent_scores, vals) for v in row])
         n = w * k
+        if offered is not None:
+            if children is not None:
+                raise ValueError("offered children need the top-k children, not caller-chosen")
+            if len(offered) != b:
+                raise ValueError(f"offered must hold one list per request ({b})")
+        # offered tokens that are not top-k children take the level's slots n .. n + e - 1
+        e = 0 if offered is None else max(map(len, offered), default=0)
         offset = len(self._cand_depth) + 1
         depth = self._frontier.depth + 1
         nw = min(self.topk, n)  # the beam: a wider root still feeds topk rows
         rows = list(range(self._next_row, self._next_row + nw))
         self._next_row += nw
-        self._cand_depth += [depth] * n
-        self._cand_parent_row += [r for r in self._f_rows for _ in range(k)]
+        self._cand_depth += [depth] * (n + e)
+        self._cand_parent_row += [r for r in self._f_rows for _ in range(k)] + [-1] * e
         f_tokens, f_parent, f_ids, f_scores, f_ancestors = [], [], [], [], []
         for i in range(b):
             scores = flat[i * n : (i + 1) * n]
             level = [t for row in tokens[i * w : (i + 1) * w] for t in row]
             parent_ids = self._f_node_ids[i]
+            parent_index = None  # frontier row of each candidate's parent: j // k
+            if e:
+                parent_index = self._offer(i, offered[i], level, scores, k, offset + n, e)
             self._cand_tokens[i] += level
             self._cand_scores[i] += scores
             self._cand_parent[i] += [p for p in parent_ids for _ in range(k)]
+            if parent_index is not None:
+                self._cand_parent[i] += [parent_ids[j] for j in parent_index[n:]]
             # next frontier: this level's top-k, (score desc, id asc)
             best = _descending(scores)[:nw]
+            if parent_index is None:
+                parents = [j // k for j in best]
+            else:
+                parents = [parent_index[j] for j in best]
+                self.offered_in_frontier += sum(j >= n for j in best)
             ancestors = self._f_ancestors[i]
             f_tokens.append([level[j] for j in best])
-            f_parent.append([j // k for j in best])
+            f_parent.append(parents)
             f_ids.append([offset + j for j in best])
             f_scores.append([scores[j] for j in best])
-            f_ancestors.append([ancestors[j // k] + [r] for j, r in zip(best, rows)])
+            f_ancestors.append([ancestors[j] + [r] for j, r in zip(parents, rows)])
         self._passes_done += 1
         self._f_scores, self._f_node_ids, self._f_ancestors = f_scores, f_ids, f_ancestors
         self._f_rows = rows
@@ -331,6 +380,39 @@ class TreeBuilder:
             self.device, depth, rows, f_tokens, f_parent, f_ids, f_scores, f_ancestors
         )
         return self._frontier
+
+    def _offer(self, i: int, offered, level: list[int], scores: list[float], k: int,
+               first_id: int, e: int) -> list[int]:  # fmt: skip
+        """Adds request ``i``'s offered children to this level's ``level``/``scores``
+        (in place; ``e`` slots after the ``n`` top-k children, unused ones padding that is
+        never selected). Returns each slot's parent frontier row."""
+        n = len(level)
+        parent_index = [j // k for j in range(n)] + [0] * e
+        f_scores = self._f_scores[i]
+        f_rows = self._f_rows
+        added = 0
+        for row, token, log_value in offered:
+            value = _float32([min(float(log_value), f_scores[row])])[0]
+            if value != value:
+                continue
+            try:
+                j = level.index(int(token), row * k, row * k + k)
+            except ValueError:
+                j = -1
+            if j >= 0:
+                if value > scores[j]:
+                    scores[j] = value
+                continue
+            parent_index[n + added] = row
+            level.append(int(token))
+            scores.append(value)
+            self._extra_parent_row[i][first_id - 1 + added] = f_rows[row]
+            added += 1
+        if added < e:  # padding at -inf, after the n real candidates: finalize skips it
+            level += [-1] * (e - added)
+            scores += [NEG_INF] * (e - added)
+            self._padding[i].update(range(first_id - 1 + added, first_id - 1 + e))
+        return parent_index
 
     def finalize(self, pad_to: int | None = None, order: str = "rank") -> DraftTree:
         """Rerank and return the DraftTree (see the module docstring).
@@ -344,7 +426,7 @@ class TreeBuilder:
         if order not in ("rank", "id"):
             raise ValueError(f"order must be 'rank' or 'id', got {order!r}")
         c = len(self._cand_depth)
-        kept = [min(max(n - 1, 0), c) for n in self._budget]
+        kept = [min(max(n - 1, 0), c - len(pad)) for n, pad in zip(self._budget, self._padding)]
         if pad_to is not None:
             if pad_to < 1:
                 raise ValueError("pad_to must be >= 1")
@@ -364,7 +446,9 @@ class TreeBuilder:
             parent_ids = self._cand_parent[i]
             # positions are in (depth, id) order, so a stable descending sort on the
             # score gives (score desc, depth asc, id asc)
-            sel = _descending(scores)[:m]
+            sel = _descending(scores)
+            padding = self._padding[i]
+            sel = [p for p in sel if p not in padding][:m] if padding else sel[:m]
             if order == "id":
                 sel.sort()
             out_index = {0: 0}  # candidate id -> output index (root 0 -> 0)
@@ -374,7 +458,11 @@ class TreeBuilder:
             ints[0].append([root] + [tokens[p] for p in sel] + fill)
             ints[1].append([-1] + [out_index[parent_ids[p]] for p in sel] + fill)
             ints[2].append([0] + [depth_of[p] for p in sel] + fill)
-            ints[3].append([-1] + [row_of[p] for p in sel] + fill)
+            extra_rows = self._extra_parent_row[i]
+            if extra_rows:
+                ints[3].append([-1] + [extra_rows.get(p, row_of[p]) for p in sel] + fill)
+            else:
+                ints[3].append([-1] + [row_of[p] for p in sel] + fill)
             all_scores.append([0.0] + [scores[p] for p in sel] + [NEG_INF] * pad)
         packed = torch.tensor(ints, dtype=torch.int64, device=self.device)
         return DraftTree(

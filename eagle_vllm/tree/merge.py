@@ -24,9 +24,18 @@ Merging (:func:`merge_trees`)
    the output, in rank order, is topological; its prefixes are the best smaller trees,
    which the load-aware sizer's acceptance-per-rank statistics rely on.
 
-EAGLE passes do not expand from suffix nodes: a suffix node has no draft feature until
-the draft model runs over it, which would cost a pass per suffix depth; suffix branches
-are drafted to their own depth for free instead.
+By default EAGLE passes do not expand suffix nodes; suffix branches are drafted to their
+own depth for free. With ``suffix.expand`` they do (:class:`SuffixGuide`): a pass feeds
+the draft model the best ``topk`` nodes of a depth, and a suffix child of a node the
+pass before fed is offered to that choice like the head's own children
+(``TreeBuilder.step(offered=...)``), valued on the head's scale by the two sources'
+calibration at that depth. A suffix node the head did not rank in its beam then gets
+the head's children beneath it in the next pass, in place of the beam's weakest node
+(no extra draft row). Only nodes whose parent was fed can be expanded (a node's draft
+feature comes from its parent's), so a suffix branch is followed one depth per pass.
+It is off by default because it did not pay with the shipped head: the suffix
+branch below an accepted suffix node usually goes on correctly by itself, and the
+beam's weakest node's children are worth as much (BENCHMARKS.md, "Hybrid drafting").
 
 The merged tree has no ``parent_row``: its nodes do not all come from draft rows.
 Sources of nodes (``sources``): :data:`ROOT`, :data:`EAGLE`, :data:`SUFFIX`,
@@ -55,6 +64,7 @@ __all__ = [
     "SOURCE_NAMES",
     "SUFFIX",
     "MergedTrees",
+    "SuffixGuide",
     "SuffixTree",
     "merge_trees",
 ]
@@ -226,3 +236,84 @@ class _Union:
             [source[i] for i in order],
             [raw[i] for i in order],
         )
+
+
+class SuffixGuide:
+    """The suffix candidates offered to each EAGLE-2 expansion (see the module docstring).
+
+    Tracks, per request, which suffix node each frontier row of the builder stands on
+    (-1: none). :meth:`offers` gives the suffix children of those nodes as
+    ``(frontier row, token, log value)`` for ``TreeBuilder.step(offered=...)``; the value
+    is the node's log path probability plus ``log(calibration[SUFFIX, depth] /
+    calibration[EAGLE, depth])``, so it compares with the head's scores at that depth
+    as the merge's calibrated values would. :meth:`advance` follows the builder's next
+    frontier, whichever source put a node there."""
+
+    def __init__(self, suffix: Sequence[SuffixTree | None], calibration: Tensor | None = None):
+        factors = None if calibration is None else calibration.tolist()
+        self._trees: list[SuffixTree | None] = []
+        self._children: list[dict[int, list[int]]] = []
+        self._child_of: list[dict[tuple[int, int], int]] = []
+        self._shift: list[list[float]] = []  # per request, per node: log value = score + shift
+        self._at: list[list[int] | None] = []  # per request, the suffix node of each row
+        for cands in suffix:
+            if cands is None or len(cands.tokens) <= 1:
+                self._trees.append(None)
+                self._children.append({})
+                self._child_of.append({})
+                self._shift.append([])
+                self._at.append(None)
+                continue
+            children: dict[int, list[int]] = {}
+            child_of: dict[tuple[int, int], int] = {}
+            depth = [0] * len(cands.tokens)
+            shift = [0.0] * len(cands.tokens)
+            for i in range(1, len(cands.tokens)):
+                parent = cands.parents[i]
+                children.setdefault(parent, []).append(i)
+                child_of[(parent, int(cands.tokens[i]))] = i
+                depth[i] = depth[parent] + 1
+                if factors is not None:
+                    d = min(depth[i], len(factors[SUFFIX]) - 1)
+                    shift[i] = math.log(factors[SUFFIX][d] / factors[EAGLE][d])
+            self._trees.append(cands)
+            self._children.append(children)
+            self._child_of.append(child_of)
+            self._shift.append(shift)
+            self._at.append([0])  # the root frontier stands on the suffix root
+
+    @property
+    def active(self) -> bool:
+        """Whether any frontier row stands on a suffix node."""
+        return any(at is not None for at in self._at)
+
+    def offers(self) -> list[list[tuple[int, int, float]]] | None:
+        """Per request, the suffix children of the nodes the current frontier stands on
+        (None when there are none for any request)."""
+        out: list[list[tuple[int, int, float]]] = []
+        found = False
+        for cands, children, shift, at in zip(self._trees, self._children, self._shift,
+                                              self._at):  # fmt: skip
+            offered: list[tuple[int, int, float]] = []
+            if at is not None:
+                for row, node in enumerate(at):
+                    for child in children.get(node, ()) if node >= 0 else ():
+                        offered.append(
+                            (row, int(cands.tokens[child]), cands.scores[child] + shift[child])
+                        )
+            found = found or bool(offered)
+            out.append(offered)
+        return out if found else None
+
+    def advance(self, tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]) -> None:
+        """The builder's next frontier: per request, its rows' tokens and parent rows in
+        the frontier before (``Frontier.host_lists``)."""
+        for b, at in enumerate(self._at):
+            if at is None:
+                continue
+            child_of = self._child_of[b]
+            nxt = [
+                child_of.get((at[p], t), -1) if at[p] >= 0 else -1
+                for t, p in zip(tokens[b], parents[b])
+            ]
+            self._at[b] = nxt if max(nxt, default=-1) >= 0 else None

@@ -29,6 +29,9 @@ def _spec(tiny, name: str) -> dict:
         "suffix": {"method": "suffix", "suffix": {"max_nodes": 6}},
         "eagle2+suffix": {"method": "eagle2", "model": draft, "num_speculative_tokens": 3,
                           "topk": 2, "total_tokens": 10, "suffix": {"max_nodes": 6}},
+        "eagle2+suffix, expanded": {"method": "eagle2", "model": draft,
+                                    "num_speculative_tokens": 3, "topk": 2, "total_tokens": 10,
+                                    "suffix": {"max_nodes": 6, "expand": True}},
         "eagle+suffix": {"method": "eagle", "model": draft, "num_speculative_tokens": 3,
                          "suffix": {"max_nodes": 4, "max_depth": 6}},
         "eagle2-auto+suffix": {"method": "eagle2", "model": draft, "num_speculative_tokens": 3,
@@ -47,7 +50,10 @@ def _suffix_stats(llm) -> dict:
     return llm.collective_rpc("eagle_vllm_suffix")[0]
 
 
-@pytest.mark.parametrize("name", ["suffix", "eagle2+suffix", "eagle+suffix", "eagle2-auto+suffix"])
+@pytest.mark.parametrize(
+    "name",
+    ["suffix", "eagle2+suffix", "eagle2+suffix, expanded", "eagle+suffix", "eagle2-auto+suffix"],
+)
 def test_greedy_equals_vanilla(tiny, vanilla, name, monkeypatch):
     """Continuous batching (nine prompts at once), every source configuration. The auto
     sizer is held at one draft pass and 9 nodes (on this tiny target it would turn drafts
@@ -69,6 +75,8 @@ def test_greedy_equals_vanilla(tiny, vanilla, name, monkeypatch):
         # deeper than the head's passes: suffix branches cost no pass
         passes = 1 if name == "eagle2-auto+suffix" else 3
         assert sum(metrics["num_accepted_tokens_per_pos"][passes:]) > 0, metrics
+    # with suffix.expand, suffix nodes outside the head's beam are fed to its later passes
+    assert (stats["expanded"] > 0) == (name == "eagle2+suffix, expanded"), stats
     assert stats["host_steps"] > 0
 
 

@@ -881,6 +881,9 @@ def test_suffix_section_in_every_head_method(models, tmp_path):
     )  # fmt: skip
     assert (tree.suffix.max_depth, tree.suffix.min_prob, tree.total_tokens) == (6, 0.2, 12)
     assert tree.suffix.spec_factor == 2 and chain.suffix.spec_factor == 1.0
+    assert not tree.suffix.expand  # EAGLE passes expand suffix nodes only when told to
+    on = parse_speculative_config({**base_tree(d), "suffix": {"expand": True}})
+    assert on.suffix.expand
     auto = parse_speculative_config(
         {"method": "eagle2", "model": d, "total_tokens": "auto", "max_total_tokens": 16,
          "suffix": {"cache_requests": 0}}
@@ -891,6 +894,11 @@ def test_suffix_section_in_every_head_method(models, tmp_path):
     # past responses need the salt-carrying scheduler; without a cache nothing changes
     assert "scheduler_cls" in tree.engine_kwargs()
     assert "scheduler_cls" not in auto.engine_kwargs()
+
+
+def base_tree(draft: str) -> dict:
+    return {"method": "eagle2", "model": draft, "num_speculative_tokens": 2, "topk": 2,
+            "total_tokens": 12}  # fmt: skip
 
 
 def test_suffix_nodes_raise_the_tree_bound(models):
@@ -914,6 +922,8 @@ def test_suffix_nodes_raise_the_tree_bound(models):
         ({"spec_factor": -1.5}, "suffix.spec_factor"),
         ({"spec_factor": "deep"}, "suffix.spec_factor"),
         ({"max_nodes": True}, "suffix.max_nodes"),
+        ({"expand": "yes"}, "suffix.expand"),
+        ({"expand": 1}, "suffix.expand"),
         ({"depth": 4}, "suffix.depth"),
         ({"seed_corpus": "missing.jsonl"}, "suffix.seed_corpus"),
         ({"seed_tokens": 0}, "suffix.seed_tokens"),

@@ -76,8 +76,10 @@ class FakeDraft:
         return self.cache[key]
 
 
-def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank", root_topk=None):
-    """Drive TreeBuilder like the runner would; returns (tree, all_logprobs)."""
+def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank", root_topk=None,
+                offers=None):  # fmt: skip
+    """Drive TreeBuilder like the runner would; returns (tree, all_logprobs). ``offers``:
+    ``(b, path) -> [(token, log value)]``, children offered below each frontier node."""
     bsz = len(roots)
     tb = TreeBuilder(torch.tensor(roots, dtype=torch.long), topk, nodes, passes, root_topk)
     fr = tb.frontier()
@@ -92,7 +94,13 @@ def run_builder(roots, topk, nodes, passes, draft, pad_to=None, order="rank", ro
             [torch.stack([torch.from_numpy(draft(b, p)) for p in paths[b]]) for b in range(bsz)]
         )
         all_lp.append(lp)
-        fr = tb.step(lp)
+        offered = None
+        if offers is not None:
+            offered = [
+                [(j, t, v) for j, path in enumerate(paths[b]) for t, v in offers(b, path)]
+                for b in range(bsz)
+            ]
+        fr = tb.step(lp, offered=offered)
         assert fr.depth == d + 1
         assert fr.width == topk
         pfi = fr.parent_frontier_index.tolist()
@@ -129,9 +137,12 @@ def f32(x) -> np.float32:
     return np.float32(x)
 
 
-def reference(root, draft_b, topk, passes, nodes, order="rank", root_topk=None):
+def reference(root, draft_b, topk, passes, nodes, order="rank", root_topk=None, offers_b=None):
     """Pure-Python EAGLE-2 expand + rerank for one request; the root proposes
-    ``root_topk`` children (default ``topk``), every later node ``topk``.
+    ``root_topk`` children (default ``topk``), every later node ``topk``. ``offers_b``:
+    ``path -> [(token, log value)]`` offered below a frontier node: a top-k child's score
+    rises to the offer (capped by the parent's), another token becomes a candidate
+    numbered after the level's top-k children.
 
     Returns (selected nodes in output order, all candidates); each node is a
     dict with id, token, score, depth, parent (candidate id), prow, path.
@@ -158,6 +169,18 @@ def reference(root, draft_b, topk, passes, nodes, order="rank", root_topk=None):
                         path=fn["path"] + (t,),
                     )
                 )
+                nid += 1
+        for fn in frontier if offers_b is not None else ():
+            for t, v in offers_b(fn["path"]):
+                value = min(f32(v), fn["score"])
+                mine = [c for c in children if c["parent"] == fn["id"] and c["token"] == t]
+                if mine:
+                    mine[0]["score"] = max(mine[0]["score"], value)
+                    continue
+                children.append(
+                    dict(id=nid, token=t, score=value, depth=d, parent=fn["id"],
+                         prow=fn["row"], path=fn["path"] + (t,))
+                )  # fmt: skip
                 nid += 1
         cands += children
         best = sorted(children, key=lambda c: (-c["score"], c["id"]))[:topk]
@@ -675,3 +698,81 @@ def test_depth_one_tree_equals_the_builder(seed, topk, total):
         for name in ("tokens", "parents", "depths", "num_nodes", "scores", "parent_row"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), name
     check_tree(got)
+
+
+def _suffix_offers(rng: np.random.RandomState, vocab: int, bsz: int):
+    """Random offers per (request, path): none for most paths, else one to three tokens
+    with log values from certain to unlikely (ties with the head's scores included)."""
+    table: dict[tuple, list[tuple[int, float]]] = {}
+
+    def offers(b: int, path: tuple) -> list[tuple[int, float]]:
+        key = (b, path)
+        if key not in table:
+            count = int(rng.choice([0, 0, 1, 2, 3]))
+            tokens = rng.choice(vocab, size=min(count, vocab), replace=False)
+            table[key] = [(int(t), float(rng.choice([0.0, -0.5, -1.0, -3.0, -9.0])))
+                          for t in tokens]  # fmt: skip
+        return table[key]
+
+    return offers
+
+
+@pytest.mark.parametrize("mode", ["cont", "quant"])
+def test_offered_children_match_reference(mode):
+    """Children offered by another source (suffix candidates): the frontier and the
+    rerank take them on their capped values, a top-k child offered again keeps one node
+    with the larger score, and their parent rows are their parents' frontier rows. Batches
+    with different numbers of offers per request pad the level, and padding is never
+    kept, even when the budget exceeds every real candidate."""
+    for seed in range(80):
+        rng, topk, vocab, passes, roots, budgets = random_case(7000 + seed, mode)
+        draft = FakeDraft(rng, vocab, topk, mode)
+        offers = _suffix_offers(rng, vocab, len(roots))
+        tree, _ = run_builder(roots, topk, torch.tensor(budgets), passes, draft, offers=offers)
+        check_tree(tree)
+        for b, root in enumerate(roots):
+            sel, _ = reference(root, lambda p, b=b, d=draft: d(b, p), topk, passes, budgets[b],
+                               offers_b=lambda p, b=b, o=offers: o(b, p))  # fmt: skip
+            n = len(sel) + 1
+            assert int(tree.num_nodes[b]) == n, seed
+            pos = {0: 0}
+            for i, c in enumerate(sel):
+                pos[c["id"]] = i + 1
+            pad = tree.max_nodes - n
+            assert tree.tokens[b].tolist() == [root] + [c["token"] for c in sel] + [-1] * pad
+            assert tree.parents[b].tolist() == [-1] + [pos[c["parent"]] for c in sel] + [-1] * pad
+            assert tree.depths[b].tolist() == [0] + [c["depth"] for c in sel] + [-1] * pad
+            assert tree.scores[b].tolist() == (
+                [0.0] + [float(c["score"]) for c in sel] + [NEG_INF] * pad
+            )
+            assert tree.parent_row[b].tolist() == [-1] + [c["prow"] for c in sel] + [-1] * pad
+
+
+def test_an_offered_node_is_expanded_by_the_next_pass():
+    """A token the head ranks last, offered as certain below the root, takes a frontier
+    row: the next pass feeds it (its ancestors the root and its own row) and its children
+    join the tree beneath it."""
+    topk = 2
+    root_lp = torch.log_softmax(torch.tensor([[[4.0, 3.0, 0.0, 0.0, 0.0, -5.0]]]), -1)
+    builder = TreeBuilder(torch.tensor([9]), topk, 6, 2)
+    frontier = builder.step(root_lp, offered=[[(0, 5, 0.0)]])
+    assert frontier.tokens.tolist() == [[5, 0]]  # the offer (value 1) before token 0
+    assert frontier.host_lists() == ([[5, 0]], [[0, 0]])
+    assert frontier.ancestor_rows.tolist() == [[[0, 1], [0, 2]]]
+    child_lp = torch.log_softmax(torch.tensor([[[0.0, 0.0, 0.0, 5.0, 0.0, 0.0]] * 2]), -1)
+    builder.step(child_lp)
+    tree = builder.finalize()
+    check_tree(tree)
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    assert tokens[:3] == [9, 5, 3] and parents[:3] == [-1, 0, 1]
+    assert tree.parent_row[0].tolist()[:3] == [-1, 0, 1]
+
+
+def test_offers_need_top_k_children_and_one_list_per_request():
+    lp = torch.log_softmax(torch.randn(2, 1, 8), -1)
+    with pytest.raises(ValueError, match="one list per request"):
+        TreeBuilder(torch.tensor([1, 2]), 2, 4, 2).step(lp, offered=[[]])
+    with pytest.raises(ValueError, match="offered children need the top-k"):
+        TreeBuilder(torch.tensor([1, 2]), 1, 4, 2).step(
+            lp, children=torch.zeros(2, 1, 1, dtype=torch.long), offered=[[], []]
+        )

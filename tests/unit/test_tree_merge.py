@@ -12,7 +12,7 @@ from eagle_vllm.drafting.suffix import SuffixCandidates
 from eagle_vllm.engine.suffix_drafts import _pass_depths
 from eagle_vllm.sizing import SourceCalibration
 from eagle_vllm.tree.builder import TreeBuilder
-from eagle_vllm.tree.merge import BOTH, EAGLE, ROOT, SUFFIX, merge_trees
+from eagle_vllm.tree.merge import BOTH, EAGLE, ROOT, SUFFIX, SuffixGuide, merge_trees
 from eagle_vllm.tree.reference import check_tree
 
 
@@ -203,3 +203,65 @@ def test_source_calibration_learns_acceptance_over_prediction():
     assert f[EAGLE, 1] == pytest.approx((10 + 1) / (5 + 1))
     assert f[BOTH, 1] == 1.0 and f[SUFFIX, 2] == 1.0
     assert cal.accepted_share()[EAGLE] == pytest.approx(10 / 11)
+
+
+# ------------------------------------------------------------------ SuffixGuide
+def _guide_tree():
+    # root 7: a=1 (0.9) -> c=3 (0.8) -> d=4 (0.8); b=2 (0.3)
+    return _suffix(7, [1, 2, 3, 4], [0, 0, 1, 3], [0.9, 0.3, 0.72, 0.576])
+
+
+def test_guide_offers_the_children_of_the_nodes_the_frontier_stands_on():
+    guide = SuffixGuide([_guide_tree(), None, _suffix(5, [], [], [])])
+    offers = guide.offers()
+    assert [[(r, t) for r, t, _ in o] for o in offers] == [[(0, 1), (0, 2)], [], []]
+    assert offers[0][0][2] == pytest.approx(math.log(0.9))
+    # the next frontier: row 1 is the suffix's node 1 (token 1 under the root), row 0 not
+    guide.advance([[6, 1], [], []], [[0, 0], [], []])
+    assert guide.active
+    offers = guide.offers()
+    assert [(r, t) for r, t, _ in offers[0]] == [(1, 3)]
+    assert offers[0][0][2] == pytest.approx(math.log(0.72))
+    # a frontier that leaves the suffix tree ends the guide's offers
+    guide.advance([[6, 8], [], []], [[1, 0], [], []])
+    assert not guide.active and guide.offers() is None
+
+
+def test_guide_values_suffix_nodes_on_the_heads_scale():
+    """An offer's log value is the path probability times calibration[SUFFIX, depth] over
+    calibration[EAGLE, depth]; depths past the table use its last column."""
+    calibration = torch.ones(4, 3)
+    calibration[SUFFIX] = torch.tensor([1.0, 0.5, 0.2])
+    calibration[EAGLE] = torch.tensor([1.0, 0.25, 0.8])
+    guide = SuffixGuide([_guide_tree()], calibration)
+    first = guide.offers()[0]
+    assert first[0][2] == pytest.approx(math.log(0.9 * 0.5 / 0.25))
+    guide.advance([[1]], [[0]])
+    guide.advance([[3]], [[0]])
+    ((row, token, value),) = guide.offers()[0]
+    assert (row, token) == (0, 4) and value == pytest.approx(math.log(0.576 * 0.2 / 0.8))
+
+
+def test_guided_expansion_drafts_the_heads_children_below_a_suffix_node():
+    """The head ranks the suffix's first token outside its beam; offered, it is fed to the
+    second pass, and the merged tree holds the head's child below it (source EAGLE) under
+    the suffix node (source BOTH), beside the suffix's own branch."""
+    vocab, topk = 8, 2
+    suffix = [_suffix(7, [5, 6], [0, 1], [0.9, 0.5])]
+    guide = SuffixGuide(suffix)
+    builder = TreeBuilder(torch.tensor([7]), topk, 8, 2)
+    root_logits = torch.tensor([3.0, 2.5, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0])
+    frontier = builder.step(torch.log_softmax(root_logits, -1)[None, None], offered=guide.offers())
+    guide.advance(*frontier.host_lists())
+    assert frontier.host_lists()[0] == [[5, 0]]
+    # below token 5 the head is sure of token 2 (not the suffix's 6)
+    second = torch.full((1, topk, vocab), -20.0)
+    second[0, 0, 2] = 0.0
+    second[0, 1, 3] = 0.0
+    builder.step(torch.log_softmax(second, -1))
+    merged = merge_trees(builder.finalize(), suffix, [8])
+    paths = dict(zip(_paths(merged.tree), merged.sources[0].tolist()))
+    assert paths[(5,)] == BOTH
+    assert paths[(5, 2)] == EAGLE
+    assert paths[(5, 6)] == SUFFIX
+    check_tree(merged.tree)
