@@ -35,6 +35,10 @@ class DraftedTrees:
     sources: torch.Tensor | None = None
     raw_values: torch.Tensor | None = None
     pass_depths: torch.Tensor | None = None
+    # the draft passes the trees were drafted with (None: trees that do not depend on
+    # passes, suffix candidates alone); the sizer's acceptance statistics count a tree
+    # of d passes for trees of at most d passes
+    passes: int | None = None
 
     def row_of(self) -> dict[str, int]:
         return {req_id: i for i, req_id in enumerate(self.req_ids)}

@@ -93,5 +93,6 @@ def observe_acceptance(
         index = torch.arange(batch)[:, None].expand_as(accepted_nodes)
         hit = accepted_nodes >= 0
         accepted[index[hit], accepted_nodes[hit].clamp(max=width)] = True
-    sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled[:batch])
+    passes = None if verified is None else verified.passes
+    sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled[:batch], passes)
     return width

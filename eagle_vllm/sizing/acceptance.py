@@ -78,9 +78,17 @@ class AcceptanceStats:
         self.trials = trials.to(torch.float64)
         self._expected = self._observed = None
 
-    def update(self, depths: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(
+        self,
+        depths: torch.Tensor,
+        valid: torch.Tensor,
+        accepted: torch.Tensor,
+        passes: torch.Tensor | int | None = None,
+    ) -> None:
         """One verified step. ``[R, W]`` per request and node (node 0 = root):
-        node depths, which nodes were verified, which were accepted."""
+        node depths, which nodes were verified, which were accepted. ``passes``: the
+        draft passes each tree was drafted with (``[R]`` or one for all; None: every
+        tree was drafted to ``max_passes``)."""
         if depths.numel() == 0:
             return
         depths, valid, accepted = depths.cpu(), valid.cpu(), accepted.cpu()
@@ -92,6 +100,14 @@ class AcceptanceStats:
         # node 0). One vectorised pass: this runs every step, on the critical path.
         cuts = torch.arange(1, self.max_passes + 1)[:, None, None]
         keep = drafted[None] & (depths[None] <= cuts)  # [depth, R, W]
+        if passes is not None:
+            # A tree of d passes is the cut at depth d of a deeper tree, not a deeper
+            # cut: there, nodes at depth d + 1 would outrank some of its nodes. Counted
+            # as deeper cuts, one-pass trees made two passes look worth what one is
+            # (SmolLM2 at batch 1, hybrid trees: two-pass arms never tried while a
+            # one-pass tree was in use, the sizer stuck below tau 1.9 on HumanEval).
+            passes = torch.as_tensor(passes, dtype=depths.dtype).reshape(-1, 1)
+            keep &= cuts <= passes[None]
         j = torch.cumsum(keep.to(torch.int64), dim=2).clamp(max=self.max_nodes - 1)
         index = (cuts * self.max_nodes + j)[keep]
         self.trials.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
@@ -139,13 +155,19 @@ class AcceptanceStats:
         if d == 0 or m <= 1:
             return 1.0
         if self._expected is None:
-            # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d
+            # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d, and at
+            # least E(d - 1, m): a deeper cut ranks a superset of the shallower cut's
+            # nodes, so its best m nodes are worth at least as much (without the floor, a
+            # cut measured seldom, near the prior, reads worse than the shallower one
+            # measured every step, and is never tried)
             self._expected = []
             for cut, rates in enumerate(self._all_rates()):
                 row, total = [1.0, 1.0], 1.0
                 for rate in rates[1:]:
                     total += rate
                     row.append(min(total, 1.0 + max(cut, self.extra_depth)))
+                if cut >= 2:
+                    row = [max(e, shallower) for e, shallower in zip(row, self._expected[-1])]
                 self._expected.append(row)
         return self._expected[d][min(m, self.max_nodes)]
 
@@ -179,12 +201,13 @@ class AcceptanceByClass:
         sampled = self._stats(SAMPLED).expected_tokens(*arm)
         return (1.0 - sampled_share) * greedy + sampled_share * sampled
 
-    def observe(self, depths, valid, accepted, sampled=None) -> None:
+    def observe(self, depths, valid, accepted, sampled=None, passes=None) -> None:
         """One verified step (``AcceptanceStats.update``); ``sampled``: ``[R]`` bool, which
-        requests sample (temperature > 0), None if none do."""
+        requests sample (temperature > 0), None if none do; ``passes``: the trees' draft
+        passes (``[R]``, one int, or None: ``max_passes``)."""
         if sampled is None or not bool(torch.as_tensor(sampled).any()):
             self._seed(GREEDY)
-            self.of[GREEDY].update(depths, valid, accepted)
+            self.of[GREEDY].update(depths, valid, accepted, passes)
             return
         sampled = torch.as_tensor(sampled, dtype=torch.bool).cpu()
         parts = [
@@ -193,7 +216,10 @@ class AcceptanceByClass:
         for cls, _ in parts:  # both from the counts as they were before this step
             self._seed(cls)
         for cls, rows in parts:
-            self.of[cls].update(depths[rows], valid[rows], accepted[rows])
+            cls_passes = (
+                passes[rows] if isinstance(passes, torch.Tensor) and passes.dim() else passes
+            )
+            self.of[cls].update(depths[rows], valid[rows], accepted[rows], cls_passes)
 
     def age(self, sampled_share: float) -> None:
         """A step without drafts: the classes in the batch age (nothing is observed)."""

@@ -216,10 +216,12 @@ class TreeSizer:
         mode = SAMPLED if sampled else GREEDY
         self.costs.observe_resume(batch_size, seconds, mode, self.steps)
 
-    def observe_acceptance(self, depths, valid, accepted, sampled=None) -> None:
+    def observe_acceptance(self, depths, valid, accepted, sampled=None, passes=None) -> None:
         """One verified step: ``[R, W]`` node depths, which nodes were verified, which
-        accepted; ``sampled``: ``[R]`` bool, which requests sample, None if none do."""
-        self._acceptance.observe(depths, valid, accepted, sampled)
+        accepted; ``sampled``: ``[R]`` bool, which requests sample, None if none do;
+        ``passes``: the draft passes the trees were drafted with (``[R]`` or one int;
+        None: ``max_passes``)."""
+        self._acceptance.observe(depths, valid, accepted, sampled, passes)
 
     def age_acceptance(self, sampled_share: float) -> None:
         """A step without drafts: the classes in the batch age (nothing is observed)."""

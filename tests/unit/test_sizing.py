@@ -95,6 +95,58 @@ def test_acceptance_update_counts_each_node_in_every_cut_tree(seed):
     assert torch.allclose(stats.trials, trials) and torch.allclose(stats.hits, hits)
 
 
+def test_a_tree_counts_only_for_cuts_its_passes_reach():
+    """A tree of one pass is the cut at depth 1 of a two-pass tree, not that tree: there,
+    the depth-2 nodes would outrank some of its nodes. Counted as a two-pass tree, a
+    one-pass tree in use made every two-pass arm look worth what one pass is."""
+    stats = AcceptanceStats(max_passes=3, max_nodes=4, decay=1.0)
+    one_pass = torch.tensor([[0, 1, 1, 1]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    rejected = torch.zeros(1, 4, dtype=torch.bool)
+    for _ in range(50):
+        stats.update(one_pass, valid, rejected, passes=1)
+    assert stats.trials[1].sum() == 150 and stats.trials[2:].sum() == 0
+    assert stats.expected_tokens(1, 4) < 1.05  # one pass: measured, nothing accepted
+    assert stats.expected_tokens(2, 4) == 2.5  # two passes: unmeasured, the prior (0.5)
+    # per request: a two-pass tree counts for cuts 1 and 2, a one-pass tree for cut 1
+    two_pass = torch.tensor([[0, 1, 2, 1], [0, 1, 1, 1]])
+    before = stats.trials.clone()
+    stats.update(two_pass, valid.repeat(2, 1), rejected.repeat(2, 1), torch.tensor([2, 1]))
+    added = stats.trials - before
+    assert added[1].sum() == 2 + 3 and added[2].sum() == 3 and added[3].sum() == 0
+    # the telemetry hands the sizer the passes the verified trees were drafted with
+    from eagle_vllm.engine.step import DraftedTrees
+    from eagle_vllm.engine.telemetry import observe_acceptance
+    from eagle_vllm.tree import DraftTree
+
+    sizer = TreeSizer(max_passes=3, topk=3, max_nodes=4)
+    tree = DraftTree(
+        tokens=torch.tensor([[5, 6, 7, 8]]),
+        parents=torch.tensor([[-1, 0, 0, 0]]),
+        depths=torch.tensor([[0, 1, 1, 1]]),
+        num_nodes=torch.tensor([4]),
+        scores=torch.tensor([[0.0, -1.0, -2.0, -3.0]]),
+    )
+    drafted = DraftedTrees(req_ids=["a"], tree=tree, passes=1)
+    observe_acceptance(sizer, [3], ["a"], torch.zeros(1, dtype=torch.bool), drafted, set(),
+                       torch.tensor([[0, -1, -1, -1]]))  # fmt: skip
+    trials = sizer.acceptance.trials
+    assert trials[1].sum() > 0 and trials[2:].sum() == 0
+
+
+def test_a_deeper_cut_is_expected_to_give_at_least_what_a_shallower_one_does():
+    """A deeper cut ranks a superset of a shallower cut's nodes: a depth measured seldom,
+    its rates near the prior, must not read worse than the depth in use."""
+    stats = AcceptanceStats(max_passes=2, max_nodes=4, decay=1.0)
+    chain = torch.tensor([[0, 1, 1, 1]])
+    accepted = torch.tensor([[False, True, False, False]])
+    for _ in range(20):
+        stats.update(chain, torch.ones(1, 4, dtype=torch.bool), accepted, passes=1)
+    assert stats.expected_tokens(1, 2) > 1.9  # the first draft is accepted every time
+    for m in range(2, 5):
+        assert stats.expected_tokens(2, m) >= stats.expected_tokens(1, m)
+
+
 def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
     """The runner's accounting of one finished step, with only the sizer it feeds."""
     from eagle_vllm.engine.step import StepRecord
@@ -193,10 +245,13 @@ def run(
         d, m = sizer.decide(batch, num_sampled=batch if sampled else 0)
         sizer.observe_draft(batch, d, engine.draft_seconds(batch, d), sampled)
         if d:
-            depths = torch.arange(m)[None, :].repeat(batch, 1)  # chain-shaped trees
+            # chain-shaped trees, as deep as d passes reach (the nodes past depth d
+            # rank as siblings at depth d)
+            depths = torch.arange(m).clamp(max=d)[None, :].repeat(batch, 1)
             valid = torch.ones(batch, m, dtype=torch.bool)
             rows = torch.full((batch,), sampled)
-            sizer.observe_acceptance(depths, valid, engine.accepted(batch, m, gen), rows)
+            accepted = engine.accepted(batch, m, gen)
+            sizer.observe_acceptance(depths, valid, accepted, rows, passes=d)
         last_nodes = m
     return sizer.history[-50:]
 
