@@ -252,6 +252,23 @@ def cpu_has_int8_gemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def slow_target_dtype_warning(model_dtype: torch.dtype, device_type: str) -> str | None:
+    """A warning for a bfloat16 target on a CPU without bf16 GEMMs (None otherwise):
+    there a step's matrix products cost in proportion to the tokens it verifies
+    (``benchmarks/micro/cpu_gemm.py``), and drafts barely pay for themselves. vLLM's
+    ``--dtype auto`` serves a checkpoint saved in bfloat16, as SmolLM2's is, in bfloat16."""
+    import torch
+
+    if device_type != "cpu" or model_dtype != torch.bfloat16 or cpu_has_bf16_gemm():
+        return None
+    return (
+        "eagle-vllm: the target runs in bfloat16 on a CPU without AVX-512 BF16 or AMX. Its "
+        "bf16 matrix products here cost in proportion to the tokens a step verifies, which "
+        "eats most of what speculation gains. Fix: serve with --dtype float32 (README, "
+        "'Which dtype to serve')."
+    )
+
+
 def check_draft_dtype(value: str, on_cpu: bool) -> None:
     """``draft_dtype`` is known, bfloat16 is only asked of a CPU that has bf16 GEMMs, and
     int8 only of a CPU with PyTorch's x86 int8 engine."""

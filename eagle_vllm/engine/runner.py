@@ -30,6 +30,7 @@ to vLLM's private state goes through ``vllm_surface.py``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
@@ -38,7 +39,7 @@ import torch
 from eagle_vllm import vllm_surface as vs
 from eagle_vllm.attention.platform import for_current_platform
 from eagle_vllm.attention.tree_batch import TreeBatch
-from eagle_vllm.config import eagle_config_of
+from eagle_vllm.config import eagle_config_of, slow_target_dtype_warning
 from eagle_vllm.engine import telemetry
 from eagle_vllm.engine.deferred import DeferredDrafts
 from eagle_vllm.engine.proposer import EagleTreeProposer
@@ -53,6 +54,7 @@ from eagle_vllm.engine.timing import StepTimings
 from eagle_vllm.sizing import TreeSizer
 
 CPUModelRunner, _cpu_device_context = vs.cpu_runner_base()
+logger = logging.getLogger(__name__)
 
 
 def needs_chain_verification(params) -> bool:
@@ -87,6 +89,11 @@ class EagleCPUModelRunner(CPUModelRunner):
             return
         cfg = self.eagle_config
         self.platform = for_current_platform()
+        warning = slow_target_dtype_warning(
+            vllm_config.model_config.dtype, vllm_config.device_config.device_type
+        )
+        if warning:
+            logger.warning(warning)
         if cfg.auto_size:
             extra_nodes, extra_depth = (
                 (0, 0) if cfg.suffix is None else (cfg.suffix.max_nodes, cfg.suffix.max_depth)

@@ -692,6 +692,22 @@ def test_draft_dtype_values_and_the_cpus_that_can_take_bfloat16(models, monkeypa
     assert resolve_draft_dtype("bfloat16", bf16, "cpu") is None  # already bf16
 
 
+def test_a_bf16_target_on_a_cpu_without_bf16_gemms_is_warned_about(monkeypatch):
+    """``--dtype auto`` serves SmolLM2 in bfloat16; on an AVX2-only CPU every verified
+    token then costs a token's worth of matrix products, and the user is told to serve
+    in float32."""
+    import eagle_vllm.config as config_module
+    from eagle_vllm.config import slow_target_dtype_warning
+
+    monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: False)
+    warning = slow_target_dtype_warning(torch.bfloat16, "cpu")
+    assert warning is not None and "--dtype float32" in warning and "AVX-512 BF16" in warning
+    assert slow_target_dtype_warning(torch.float32, "cpu") is None
+    assert slow_target_dtype_warning(torch.bfloat16, "cuda") is None
+    monkeypatch.setattr(config_module, "cpu_has_bf16_gemm", lambda: True)
+    assert slow_target_dtype_warning(torch.bfloat16, "cpu") is None
+
+
 @pytest.mark.parametrize("ids", [[1, 1, 2], [0, 99999], [], "nope"])
 def test_bad_draft_vocab_file(models, tmp_path, ids):
     from eagle_vllm.models.checkpoint import DraftCheckpointError
