@@ -103,9 +103,8 @@ class AcceptanceStats:
         if passes is not None:
             # A tree of d passes is the cut at depth d of a deeper tree, not a deeper
             # cut: there, nodes at depth d + 1 would outrank some of its nodes. Counted
-            # as deeper cuts, one-pass trees made two passes look worth what one is
-            # (SmolLM2 at batch 1, hybrid trees: two-pass arms never tried while a
-            # one-pass tree was in use, the sizer stuck below tau 1.9 on HumanEval).
+            # as deeper cuts, one-pass trees in use made two passes look worth what one
+            # is, and no acceptance could then pay for a second pass.
             passes = torch.as_tensor(passes, dtype=depths.dtype).reshape(-1, 1)
             keep &= cuts <= passes[None]
         j = torch.cumsum(keep.to(torch.int64), dim=2).clamp(max=self.max_nodes - 1)
