@@ -428,11 +428,13 @@ ARMS_DOC = """What each of the auto sizer's arms costs per step, phase by phase,
 
     .venv/bin/python benchmarks/step_profile.py arms --arms 0,1 1,2 1,3 1,4 2,9 2,16 4,16
     .venv/bin/python benchmarks/step_profile.py arms --arms 1,4 4,16 --first-pass both
+    .venv/bin/python benchmarks/step_profile.py arms --prompts humaneval --arms auto 1,3 3,12
 
 One in-process fp32 eager engine serving ``configs/eagle2-auto.yaml`` (or
 ``--auto-config``); for each arm ``passes,nodes`` in turn the sizer is pinned to it
-(``TreeSizer.pinned``, as ``EAGLE_VLLM_SIZER_PIN`` does) and ``--concurrency`` MT-bench
-first turns are decoded to ``--max-tokens``. Prints, per arm and repetition, output
+(``TreeSizer.pinned``, as ``EAGLE_VLLM_SIZER_PIN`` does; ``auto``: the sizer chooses,
+with what the engine has measured so far, and its decisions are listed by kind and arm) and ``--concurrency`` first turns of
+``--prompts`` (after an untimed load of the other set) are decoded to ``--max-tokens``. Prints, per arm and repetition, output
 tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
 (``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
 the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
@@ -445,13 +447,38 @@ cost time over a chain's (at batch 1, the CPU tree attention, ``attention/cpu_ba
 """
 
 
-def _pin_arm(worker, arm: tuple[int, int]) -> bool:
+def _pin_arm(worker, arm: tuple[int, int] | None) -> bool:
     """Run on the worker (``collective_rpc``): pin the sizer to ``arm`` (one of its arms:
-    ``arms`` checks them all first), zero the timers."""
+    ``arms`` checks them all first; None: the sizer chooses), zero the timers."""
     runner = worker.model_runner
     runner.sizer.pinned = arm
     runner.timings.snapshot(reset=True)
     return True
+
+
+def _record_decisions(worker) -> bool:
+    """Run on the worker: keep every decision the sizer commits (``_decisions``)."""
+    sizer = worker.model_runner.sizer
+    if not hasattr(sizer, "_decisions"):
+        sizer._decisions = []
+        commit = sizer.commit
+
+        def recorded(decision):
+            sizer._decisions.append(decision)
+            return commit(decision)
+
+        sizer.commit = recorded
+    sizer._decisions.clear()
+    return True
+
+
+def _decision_summary(worker) -> str:
+    """Run on the worker: the decisions committed since ``_record_decisions``, as
+    ``kind arm xcount`` in order of first use."""
+    from collections import Counter
+
+    counts = Counter((d.kind, d.arm) for d in worker.model_runner.sizer._decisions)
+    return " ".join(f"{kind} {d},{m} x{n}" for (kind, (d, m)), n in counts.items())
 
 
 def _sizer_arms(worker) -> list[tuple[int, int]]:
@@ -474,7 +501,9 @@ def _set_first_pass(worker, full: bool) -> bool:
 
 def add_arms_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", nargs="+", default=["0,1", "1,2", "1,3", "1,4", "2,9", "2,16"],
-                   help="passes,nodes pairs (the sizer's arms)")  # fmt: skip
+                   help="passes,nodes pairs (the sizer's arms), or auto (the sizer free)")  # fmt: skip
+    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
+                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     p.add_argument(
         "--requests",
@@ -510,7 +539,7 @@ def predicted(table: dict, concurrency: int, arm: tuple[int, int]) -> str:
 
 def arms(args, argv: list[str] | None) -> int:
     try:
-        swept = [tuple(int(x) for x in a.split(",")) for a in args.arms]
+        swept = [None if a == "auto" else tuple(int(x) for x in a.split(",")) for a in args.arms]
         profiled = [tuple(int(x) for x in a.split(",")) for a in args.profile]
     except ValueError:
         raise SystemExit(
@@ -521,21 +550,22 @@ def arms(args, argv: list[str] | None) -> int:
 
     c = args.concurrency
     n = args.requests or c
-    if not c <= n <= 80:  # 80 MT-bench first turns: no prompt twice in a run
+    if not c <= n <= 80:  # 80 first turns: no prompt twice in a run
         raise SystemExit(f"error: --requests must be between --concurrency ({c}) and 80")
     llm = in_process_engine("auto", args, c)  # max_num_seqs = c: c requests in flight
     known = [tuple(a) for a in llm.collective_rpc(_sizer_arms)[0]]
-    unknown = [a for a in (*swept, *profiled) if a not in known]
+    unknown = [a for a in (*swept, *profiled) if a is not None and a not in known]
     if unknown:  # refused before any arm runs, not when the run reaches it
         raise SystemExit(
             f"error: --arms/--profile: {', '.join(f'{d},{m}' for d, m in unknown)} not among "
             f"the sizer's arms for this config: {' '.join(f'{d},{m}' for d, m in known)}"
         )
-    prompts = load_prompts("mtbench", 80, llm.get_tokenizer())
+    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[args.prompts]
+    prompts = load_prompts(args.prompts, 80, llm.get_tokenizer())
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
     )
-    llm.generate(load_prompts("humaneval", 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
+    llm.generate(load_prompts(other, 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
           "runner phases, ms/step | the sizer's prediction for the arm: tok/s "
@@ -545,6 +575,7 @@ def arms(args, argv: list[str] | None) -> int:
         for arm, mode in ((a, m) for a in swept for m in order):
             llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
+            llm.collective_rpc(_record_decisions)
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(n)]
             suffix_stats(llm, clear_cache=True)  # every run drafts from an empty response cache
             start = time.perf_counter()
@@ -557,9 +588,11 @@ def arms(args, argv: list[str] | None) -> int:
                 f"{name}={1e3 * v['seconds'] / steps:.1f}" for name, v in sorted(phases.items())
             )
             label = f", {mode}" if len(modes) > 1 else ""
-            print(f"{arm}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
-                  f"{1e3 * seconds / steps:.1f} | {split} | "
-                  f"{predicted(sizing_table(llm), c, arm)}", flush=True)  # fmt: skip
+            prediction = "-" if arm is None else predicted(sizing_table(llm), c, arm)
+            print(f"{arm or 'auto'}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
+                  f"{1e3 * seconds / steps:.1f} | {split} | {prediction}", flush=True)  # fmt: skip
+            if arm is None:  # what the sizer chose, step by step
+                print(f"  decisions: {llm.collective_rpc(_decision_summary)[0]}", flush=True)
     for arm in profiled:
         from torch.profiler import profile
 
