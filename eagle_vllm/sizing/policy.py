@@ -9,12 +9,10 @@ The terms of the policy, a bandit over tree sizes:
 * an **arm** is one ``(passes, nodes)`` choice; ``(0, 1)`` (``OFF``) is no drafts;
 * an **exploration** runs an arm that is not the predicted best, to measure it: an arm
   never measured in this batch bucket, tried only if it could still win (its expected
-  tokens, at the upper end of each node's interval, over a lower bound of its cost
-  must beat the best measured arm: costs grow with nodes and passes, so at high load,
-  where one small tree already loses to no drafts, the big trees are never tried), or,
-  every ``explore_every`` steps, the stalest arm that could still win, its old samples
-  replaced by the fresh one. The upper ends matter after a change of workload: nodes
-  beyond the tree in use keep the old workload's rates, over trials that only decay;
+  tokens over a lower bound of its cost must beat the best measured arm: costs grow
+  with nodes and passes, so at high load, where one small tree already loses to no
+  drafts, the big trees are never tried), or, every ``explore_every`` steps, the
+  stalest arm that could still win, its old samples replaced by the fresh one;
 * a **probe** is the exploration of the other side, alternating with the stalest arm:
   the smallest tree while no drafts wins (keeps acceptance measured), no drafts while a
   tree wins (keeps its cost current), the fresh sample joining the probe's two latest.
@@ -450,15 +448,11 @@ class TreeSizer:
         )
 
     def _could_win(self, ctx: _Context, arm: Arm, own: bool = True) -> bool:
-        """Optimistic bound: expected tokens at the upper end of their intervals
-        (``AcceptanceStats.expected_tokens``) over ``_floor``. ``own=False`` leaves the
+        """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
         arm's own measurement out, for re-measuring it: a stale sample must not be what
         keeps an arm from being measured again."""
         floor = self._floor(ctx, arm, own)
-        if floor <= 0:
-            return True
-        tokens = self._acceptance.expected_tokens(arm, ctx.sampled_share, optimistic=True)
-        return tokens / floor > ctx.best
+        return floor <= 0 or self.expected_tokens(arm, ctx.sampled_share) / floor > ctx.best
 
     def _price(self, ctx: _Context, arm: Arm) -> float:
         """Seconds an exploration of ``arm`` costs over the arm in use: its floor (its cost
