@@ -238,12 +238,22 @@ and no drafts are within a few percent of each other, the sizer flips between th
 """
 
 
+def add_prompts_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
+                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
+
+
+def timed_and_untimed_prompts(name: str, tokenizer) -> tuple[list[str], list[str]]:
+    """``--prompts``' 80 first turns, and the other set's for the untimed loads."""
+    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[name]
+    return load_prompts(name, 80, tokenizer), load_prompts(other, 80, tokenizer)
+
+
 def add_periods_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", choices=PERIODS_SYSTEMS, default="auto")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
-                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
+    add_prompts_arg(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--reps", type=int, default=3)
     add_model_args(p)
@@ -275,9 +285,7 @@ def periods(args, argv: list[str] | None) -> int:
     runner_module.telemetry.step_period = record  # this process only: the engine runs in it
 
     llm = in_process_engine(args.system, args, args.concurrency)
-    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[args.prompts]
-    prompts = load_prompts(args.prompts, 80, llm.get_tokenizer())
-    warm_prompts = load_prompts(other, 80, llm.get_tokenizer())
+    prompts, warm_prompts = timed_and_untimed_prompts(args.prompts, llm.get_tokenizer())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     c = args.concurrency
     for rep in range(args.reps):
@@ -433,8 +441,9 @@ ARMS_DOC = """What each of the auto sizer's arms costs per step, phase by phase,
 One in-process fp32 eager engine serving ``configs/eagle2-auto.yaml`` (or
 ``--auto-config``); for each arm ``passes,nodes`` in turn the sizer is pinned to it
 (``TreeSizer.pinned``, as ``EAGLE_VLLM_SIZER_PIN`` does; ``auto``: the sizer chooses,
-with what the engine has measured so far, and its decisions are listed by kind and arm) and ``--concurrency`` first turns of
-``--prompts`` (after an untimed load of the other set) are decoded to ``--max-tokens``. Prints, per arm and repetition, output
+with what the engine has measured so far, and its decisions are listed by kind and
+arm) and ``--concurrency`` first turns of ``--prompts`` (after an untimed load of the
+other set) are decoded to ``--max-tokens``. Prints, per arm and repetition, output
 tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
 (``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
 the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
@@ -502,8 +511,7 @@ def _set_first_pass(worker, full: bool) -> bool:
 def add_arms_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", nargs="+", default=["0,1", "1,2", "1,3", "1,4", "2,9", "2,16"],
                    help="passes,nodes pairs (the sizer's arms), or auto (the sizer free)")  # fmt: skip
-    p.add_argument("--prompts", choices=["mtbench", "humaneval"], default="mtbench",
-                   help="timed prompts (the untimed load uses the other set)")  # fmt: skip
+    add_prompts_arg(p)
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     p.add_argument(
         "--requests",
@@ -560,12 +568,11 @@ def arms(args, argv: list[str] | None) -> int:
             f"error: --arms/--profile: {', '.join(f'{d},{m}' for d, m in unknown)} not among "
             f"the sizer's arms for this config: {' '.join(f'{d},{m}' for d, m in known)}"
         )
-    other = {"mtbench": "humaneval", "humaneval": "mtbench"}[args.prompts]
-    prompts = load_prompts(args.prompts, 80, llm.get_tokenizer())
+    prompts, warm_prompts = timed_and_untimed_prompts(args.prompts, llm.get_tokenizer())
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
     )
-    llm.generate(load_prompts(other, 80, llm.get_tokenizer())[:c], params, use_tqdm=False)
+    llm.generate(warm_prompts[:c], params, use_tqdm=False)
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
           "runner phases, ms/step | the sizer's prediction for the arm: tok/s "
@@ -575,7 +582,8 @@ def arms(args, argv: list[str] | None) -> int:
         for arm, mode in ((a, m) for a in swept for m in order):
             llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
-            llm.collective_rpc(_record_decisions)
+            if arm is None:
+                llm.collective_rpc(_record_decisions)
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(n)]
             suffix_stats(llm, clear_cache=True)  # every run drafts from an empty response cache
             start = time.perf_counter()
@@ -591,7 +599,7 @@ def arms(args, argv: list[str] | None) -> int:
             prediction = "-" if arm is None else predicted(sizing_table(llm), c, arm)
             print(f"{arm or 'auto'}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
                   f"{1e3 * seconds / steps:.1f} | {split} | {prediction}", flush=True)  # fmt: skip
-            if arm is None:  # what the sizer chose, step by step
+            if arm is None:  # what the sizer chose, counted by kind and arm
                 print(f"  decisions: {llm.collective_rpc(_decision_summary)[0]}", flush=True)
     for arm in profiled:
         from torch.profiler import profile
