@@ -10,7 +10,6 @@ own statistics and a batch's expected tokens weigh the two by their share of it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +22,6 @@ CLASSES = (GREEDY, SAMPLED)
 # A class seen for the first time starts from the other class's rates, weighted as this
 # many verified drafts of its best node: its own first few steps outvote them.
 SEED_TRIALS = 8.0
-# Standard errors above each node's rate in the optimistic estimate (``expected_tokens(...,
-# optimistic=True)``) that decides whether an arm is worth exploring: one-sided, about 84%.
-OPTIMISM_Z = 1.0
 
 
 def other_class(cls: str) -> str:
@@ -50,9 +46,8 @@ class AcceptanceStats:
     hits: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
     # E(d, m) for every d and m, rebuilt once after the counts change (the sizer reads it
-    # for every arm, several times per step); the optimistic one likewise
+    # for every arm, several times per step)
     _expected: list[list[float]] | None = field(init=False, default=None, repr=False)
-    _optimistic: list[list[float]] | None = field(init=False, default=None, repr=False)
     # whether any node was ever tried: asked for every arm of every step, so kept with
     # the counts instead of a tensor reduction per question
     _observed: bool | None = field(init=False, default=None, repr=False)
@@ -81,7 +76,7 @@ class AcceptanceStats:
     def set_counts(self, hits: torch.Tensor, trials: torch.Tensor) -> None:
         self.hits = hits.to(torch.float64)
         self.trials = trials.to(torch.float64)
-        self._expected = self._optimistic = self._observed = None
+        self._expected = self._observed = None
 
     def update(
         self,
@@ -117,20 +112,20 @@ class AcceptanceStats:
         self.trials.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
         hits = accepted[None].expand_as(keep)[keep].to(torch.float64)
         self.hits.view(-1).index_add_(0, index, hits)
-        self._expected = self._optimistic = self._observed = None
+        self._expected = self._observed = None
 
     def age(self) -> None:
         """One step passes: older observations weigh less (a step without drafts
         observes nothing else)."""
         self.hits *= self.decay
         self.trials *= self.decay
-        self._expected = self._optimistic = None
+        self._expected = None
 
     def rates(self, d: int) -> torch.Tensor:
         """Acceptance rate of the j-th node (index 0: the root) of trees cut at depth d."""
         return torch.tensor(self._all_rates()[d], dtype=torch.float64)
 
-    def _all_rates(self, optimistic: bool = False) -> list[list[float]]:
+    def _all_rates(self) -> list[list[float]]:
         """Per cut depth, each node's hits and trials plus one pseudo-trial of the prior:
         ``prior_rate`` for the first draft, the better-ranked node's rate for the others;
         and never above that rate.
@@ -141,13 +136,7 @@ class AcceptanceStats:
         tried at loads where one costs five plain steps. The prior follows rank for the
         same reason: a calibration profile's counts, scaled to 64 trials, leave the
         late ranks with a few trials each, and a flat prior there made a 16-node tree
-        look worth 3.8 tokens a step where its nodes measured almost nothing.
-
-        ``optimistic``: each measured rate raised to the upper end of its Wilson score
-        interval (``OPTIMISM_Z``), over its trials plus the prior's, then capped by rank
-        the same way (``expected_tokens``). A node never verified keeps the prior above:
-        raised too, every tree of a depth never drafted would look worth exploring at
-        loads where one extra node per request already loses."""
+        look worth 3.8 tokens a step where its nodes measured almost nothing."""
         out = []
         for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
             row = [(hits[0] + self.prior_rate) / (trials[0] + 1.0)]
@@ -156,60 +145,30 @@ class AcceptanceStats:
                 rate = (hits[j] + prior) / (trials[j] + 1.0)
                 prior = rate if j == 1 else min(rate, prior)
                 row.append(prior)
-            if optimistic:  # a node never verified keeps its prior: nothing to be unsure of
-                upper = 1.0
-                for j in range(1, len(row)):
-                    bound = _wilson_upper(row[j], trials[j] + 1.0) if trials[j] > 0 else row[j]
-                    upper = row[j] = bound if j == 1 else min(bound, upper)
             out.append(row)
         return out
 
-    def expected_tokens(self, d: int, m: int, optimistic: bool = False) -> float:
+    def expected_tokens(self, d: int, m: int) -> float:
         """Tokens a request gains per step with ``d`` passes and an ``m``-node tree: at most
-        ``1 + d`` (one accepted draft per pass, plus the target's own token).
-
-        ``optimistic``: what it could gain at the upper end of each node's interval
-        (``_all_rates``), for deciding what to explore. A node's rate is measured only
-        while trees reach its rank and cut, so the ranks beyond the tree in use keep the
-        rates of an earlier workload, however long ago: after chat prompts, code accepts
-        more, but a 3-node tree in use never measures node 5, and the point estimate
-        alone would never call a 6-node tree worth trying. As their trials decay, the
-        upper end widens until the arm is explored again."""
+        ``1 + d`` (one accepted draft per pass, plus the target's own token)."""
         if d == 0 or m <= 1:
             return 1.0
-        if optimistic:
-            if self._optimistic is None:
-                self._optimistic = self._expected_table(self._all_rates(optimistic=True))
-            return self._optimistic[d][min(m, self.max_nodes)]
         if self._expected is None:
             # E(d, m) = 1 + sum of the first m - 1 drafts' rates, capped at 1 + d, and at
             # least E(d - 1, m): a deeper cut ranks a superset of the shallower cut's
             # nodes, so its best m nodes are worth at least as much (without the floor, a
             # cut measured seldom, near the prior, reads worse than the shallower one
             # measured every step, and is never tried)
-            self._expected = self._expected_table(self._all_rates())
+            self._expected = []
+            for cut, rates in enumerate(self._all_rates()):
+                row, total = [1.0, 1.0], 1.0
+                for rate in rates[1:]:
+                    total += rate
+                    row.append(min(total, 1.0 + max(cut, self.extra_depth)))
+                if cut >= 2:
+                    row = [max(e, shallower) for e, shallower in zip(row, self._expected[-1])]
+                self._expected.append(row)
         return self._expected[d][min(m, self.max_nodes)]
-
-    def _expected_table(self, all_rates: list[list[float]]) -> list[list[float]]:
-        """E(d, m) for every cut depth d and tree size m from each cut's node rates."""
-        table: list[list[float]] = []
-        for cut, rates in enumerate(all_rates):
-            row, total = [1.0, 1.0], 1.0
-            for rate in rates[1:]:
-                total += rate
-                row.append(min(total, 1.0 + max(cut, self.extra_depth)))
-            if cut >= 2:
-                row = [max(e, shallower) for e, shallower in zip(row, table[-1])]
-            table.append(row)
-        return table
-
-
-def _wilson_upper(rate: float, trials: float) -> float:
-    """The upper end of the Wilson score interval (``OPTIMISM_Z``) of a rate measured over
-    ``trials``."""
-    z2 = OPTIMISM_Z * OPTIMISM_Z / trials
-    spread = OPTIMISM_Z * math.sqrt(max(rate * (1.0 - rate), 0.0) / trials + z2 / (4.0 * trials))
-    return min(1.0, (rate + z2 / 2.0 + spread) / (1.0 + z2))
 
 
 class AcceptanceByClass:
@@ -232,16 +191,13 @@ class AcceptanceByClass:
         seeded.seed_from(other)
         return seeded
 
-    def expected_tokens(
-        self, arm: tuple[int, int], sampled_share: float = 0.0, optimistic: bool = False
-    ) -> float:
+    def expected_tokens(self, arm: tuple[int, int], sampled_share: float = 0.0) -> float:
         """Tokens per request per step of a batch of which ``sampled_share`` samples: each
-        class's E(d, m), weighted by its share of the batch (``optimistic``: the upper
-        ends, ``AcceptanceStats.expected_tokens``)."""
-        greedy = self._stats(GREEDY).expected_tokens(*arm, optimistic) if sampled_share < 1 else 0.0
+        class's E(d, m), weighted by its share of the batch."""
+        greedy = self._stats(GREEDY).expected_tokens(*arm) if sampled_share < 1 else 0.0
         if sampled_share <= 0:
             return greedy
-        sampled = self._stats(SAMPLED).expected_tokens(*arm, optimistic)
+        sampled = self._stats(SAMPLED).expected_tokens(*arm)
         return (1.0 - sampled_share) * greedy + sampled_share * sampled
 
     def observe(self, depths, valid, accepted, sampled=None, passes=None) -> None:

@@ -13,16 +13,10 @@ The terms of the policy, a bandit over tree sizes:
   smaller than its size, such as one pass and 13 nodes where the suffix source finds
   few candidates, stays unmeasured; SmolLM2 at 4 requests on a CPU explored one 7
   times in 38 steps), tried only if it could still win (its expected
-  tokens, at the upper end of each node's interval, over a lower bound of its cost
-  must beat the best measured arm: costs grow with nodes and passes, so at high load,
-  where one small tree already loses to no drafts, the big trees are never tried), or,
-  every ``explore_every`` steps, the stalest arm that could still win, its old samples
-  replaced by the fresh one. The upper ends matter after a change of workload: nodes
-  beyond the tree in use keep the old workload's rates, over trials that only decay.
-  They count in proportion to how cheap nodes are (``optimism_weight``): almost fully
-  where verifying is memory-bound (batch 1), not at all where the largest tree costs a
-  drafts-off step more (SmolLM2 on a 2-core CPU: from 4 requests on, where exploring
-  by the upper ends alone ran HumanEval at 0.85x vanilla instead of 1.24x);
+  tokens over a lower bound of its cost must beat the best measured arm: costs grow
+  with nodes and passes, so at high load, where one small tree already loses to no
+  drafts, the big trees are never tried), or, every ``explore_every`` steps, the
+  stalest arm that could still win, its old samples replaced by the fresh one;
 * a **probe** is the exploration of the other side, alternating with the stalest arm:
   the smallest tree while no drafts wins (keeps acceptance measured), no drafts while a
   tree wins (keeps its cost current), the fresh sample joining the probe's two latest.
@@ -105,22 +99,6 @@ def candidate_sizes(
     return arms
 
 
-def optimism_weight(node_slope: float, max_nodes: int, off_cost: float | None) -> float:
-    """How far exploration raises each arm's expected tokens towards the upper ends of
-    its nodes' intervals, from 0 to 1: one less what verifying the largest tree adds to
-    a drafts-off step at ``node_slope`` a node (``verify_slope``, a lower bound), as a
-    share of that step. Where nodes are almost free, a bet on a bigger tree costs little
-    if it loses; where the largest tree costs a step more, a workload's upper ends pick
-    trees to explore that the point estimates then keep, and the cost model's optimism
-    for trees at load (prefill steps are not in it) makes those lose. SmolLM2 on a
-    2-core CPU: about 0.7 at batch 1, 0 from 4 requests on. Nothing measured yet: 1
-    (every arm is explored anyway)."""
-    if not off_cost:
-        return 1.0
-    extra = node_slope * (max_nodes - 1) / off_cost
-    return min(max(1.0 - extra, 0.0), 1.0)
-
-
 @dataclass(frozen=True)
 class Decision:
     """One step's choice and the policy bookkeeping ``TreeSizer.commit`` applies.
@@ -154,7 +132,6 @@ class _Context:
     resume_extra: float  # ``CostModel.resume_cost`` at this batch size
     base: float | None  # what a step of the arm in use costs now
     best: float  # the best measured arm's tokens per second
-    optimism: float  # ``optimism_weight`` at this batch size
 
 
 class TreeSizer:
@@ -357,15 +334,13 @@ class TreeSizer:
         bucket = batch_bucket(batch_size)
         costs, verify, rates, spread = self._predicted_rates(batch_size, share)
         base = costs.get(self._last_best) or costs.get(OFF)
-        node_slope = verify_slope(verify)
         ctx = _Context(
             costs=costs,
             sampled_share=share,
-            node_slope=node_slope,
+            node_slope=verify_slope(verify),
             resume_extra=self.costs.resume_cost(batch_size, mode, verify.get(1)),
             base=base,
             best=max(rates.values(), default=0.0),
-            optimism=optimism_weight(node_slope, self.max_nodes, verify.get(1)),
         )
         credit, cap = self._explore_credit, self._credit_cap
         if base is not None:  # every step earns a share of its time for explorations
@@ -485,19 +460,11 @@ class TreeSizer:
         )
 
     def _could_win(self, ctx: _Context, arm: Arm, own: bool = True) -> bool:
-        """Optimistic bound: expected tokens, raised towards the upper end of their
-        intervals (``AcceptanceStats.expected_tokens``) by ``optimism_weight``, over
-        ``_floor``. ``own=False`` leaves the
+        """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
         arm's own measurement out, for re-measuring it: a stale sample must not be what
         keeps an arm from being measured again."""
         floor = self._floor(ctx, arm, own)
-        if floor <= 0:
-            return True
-        tokens = self.expected_tokens(arm, ctx.sampled_share)
-        if ctx.optimism > 0:
-            upper = self._acceptance.expected_tokens(arm, ctx.sampled_share, optimistic=True)
-            tokens += ctx.optimism * (upper - tokens)
-        return tokens / floor > ctx.best
+        return floor <= 0 or self.expected_tokens(arm, ctx.sampled_share) / floor > ctx.best
 
     def _price(self, ctx: _Context, arm: Arm) -> float:
         """Seconds an exploration of ``arm`` costs over the arm in use: its floor (its cost

@@ -147,32 +147,6 @@ def test_a_deeper_cut_is_expected_to_give_at_least_what_a_shallower_one_does():
         assert stats.expected_tokens(2, m) >= stats.expected_tokens(1, m)
 
 
-def test_the_optimistic_estimate_widens_as_a_node_s_trials_decay():
-    """What exploration judges arms by: never below the estimate, close to it for nodes
-    verified often, higher for nodes verified seldom or long ago, and the prior itself
-    for nodes never verified (so depths never drafted do not all look worth trying)."""
-    # suffix nodes: a one-pass tree may accept more than one draft
-    stats = AcceptanceStats(max_passes=1, max_nodes=4, decay=0.99, extra_depth=3)
-    tree = torch.tensor([[0, 1, 1, 1]])
-    valid = torch.tensor([[True, True, True, False]])  # node 3 never verified
-    for step in range(200):  # node 1 accepted every other step, node 2 every fourth
-        accepted = torch.tensor([[True, step % 2 == 0, step % 4 == 1, False]])
-        stats.update(tree, valid, accepted, passes=1)
-
-    def node(j: int, optimistic: bool = False) -> float:  # what node j adds to E(1, m)
-        return stats.expected_tokens(1, j + 1, optimistic) - stats.expected_tokens(1, j, optimistic)
-
-    for m in range(2, 5):
-        assert stats.expected_tokens(1, m, optimistic=True) >= stats.expected_tokens(1, m)
-    fresh = node(2, optimistic=True) - node(2)
-    assert 0 < fresh < 0.06  # ~87 decayed trials at a rate of 1/4: a narrow interval
-    assert node(3, optimistic=True) == pytest.approx(node(3))  # never verified: the prior
-    for step in range(300):  # now no tree reaches node 2: its trials only decay
-        accepted = torch.tensor([[True, step % 2 == 0]])
-        stats.update(tree[:, :2], valid[:, :2], accepted, passes=1)
-    assert node(2, optimistic=True) - node(2) > 2 * fresh
-
-
 def _charge(sizer: TreeSizer, step: dict, period: float) -> None:
     """The runner's accounting of one finished step, with only the sizer it feeds."""
     from eagle_vllm.engine.step import StepRecord
@@ -354,28 +328,6 @@ def test_a_stale_expensive_measurement_does_not_lock_an_arm_out():
     history = run(sizer, engine, batch=64, steps=400)
     arms = [tuple(h[1:]) for h in history]
     assert arms.count(OFF) >= 45, arms
-
-
-def test_a_workload_that_accepts_more_grows_the_tree_past_ranks_measured_on_the_last_one():
-    """Chat first (drafts rarely accepted: small trees), then code (most accepted). The
-    nodes beyond the small tree in use are measured only by explorations, so their
-    rates are the chat's until an arm that reaches them is tried again: judged by those
-    rates alone, no bigger tree could win, and the sizer stayed on a 4-node tree worth
-    0.86 of the best (seen on HumanEval after MT-bench on a CPU). Their few, decaying
-    trials leave wide intervals; the upper ends decide what is explored."""
-    engine = SimulatedEngine(rate=0.3, draft_pass=0.075, per_token=0.07)
-    engine.stratified = True  # deterministic acceptance: the test has no lucky seed
-    sizer = TreeSizer(max_passes=3, topk=2, max_nodes=8)
-    run(sizer, engine, batch=1, steps=60)
-    engine.rate = 0.8
-    history = run(sizer, engine, batch=1, steps=300, seed=1)
-    arms = [tuple(h[1:]) for h in history]
-    chosen = max(set(arms), key=arms.count)
-    best = best_arm(engine, 1, sizer.arms)
-    assert engine.tokens_per_second(1, chosen) >= 0.95 * engine.tokens_per_second(1, best), (
-        chosen,
-        best,
-    )
 
 
 def test_benchmark_pin_must_name_an_arm(monkeypatch):
@@ -1141,13 +1093,12 @@ def test_a_near_tie_on_a_noisy_machine_costs_at_most_its_noise():
     """No drafts beats the best tree by 4% at 4 requests, on a machine whose every step
     time is off by 15% (lognormal): with a dozen trees compared against no drafts, the
     one whose samples came out lowest looks best. Over 1000 steps the sizer's choices
-    must run within 0.6% of no drafts' throughput, and within 0.3% on average over the
-    seeds (costs fitted together, a margin as wide as the noise); taking each tree
-    size's own samples at face value with a fixed 5% margin lost up to 1.4%."""
+    must run within 0.5% of no drafts' throughput (costs fitted together, a margin as
+    wide as the noise); taking each tree size's own samples at face value with a fixed
+    5% margin lost up to 1.4%."""
     accept = [0.15, 0.04, 0.02, 0.015, 0.01, 0.0075, 0.005, 0.005, 0.005, 0.005]
     accept += [0.0025] * 5
     batch = 4
-    shares = []
     for seed in range(4):
         engine = NoisyStarEngine(accept, sigma=0.15, seed=seed)
         sizer = TreeSizer(max_passes=2, topk=4, max_nodes=16)
@@ -1172,9 +1123,7 @@ def test_a_near_tie_on_a_noisy_machine_costs_at_most_its_noise():
         late = [tuple(h[1:]) for h in sizer.history[-1000:]]
         tokens = sum(engine.expected(a) for a in late)
         seconds = sum(engine.verify(batch, a[1]) + engine.draft(batch, a[0]) for a in late)
-        shares.append(tokens / seconds / engine.rate(batch, OFF))
-        assert shares[-1] >= 0.994, (seed, sorted(set(late)))
-    assert sum(shares) / len(shares) >= 0.997, shares
+        assert tokens / seconds >= 0.995 * engine.rate(batch, OFF), (seed, sorted(set(late)))
 
 
 def test_no_drafts_known_only_from_a_profile_is_measured_before_a_tree_is_trusted():
@@ -1197,45 +1146,6 @@ def test_no_drafts_known_only_from_a_profile_is_measured_before_a_tree_is_truste
     # then no drafts, bar one step that measures the tree live (the machine looked 10%
     # faster than profiled, so the tree's profiled cost was scaled down with it)
     assert sum(c != OFF for c in choices) <= 1, choices
-
-
-def test_optimism_counts_where_nodes_are_cheap_and_not_where_the_largest_tree_costs_a_step():
-    """Exploring by the upper ends pays at batch 1 (HumanEval after MT-bench on a CPU:
-    tau 2.16 -> 2.55) and lost from 4 requests on (0.85x vanilla instead of 1.24x),
-    where verifying the largest tree costs more than a drafts-off step."""
-    from eagle_vllm.sizing.costs import verify_slope
-    from eagle_vllm.sizing.policy import optimism_weight
-
-    assert optimism_weight(0.0, 16, None) == 1.0  # nothing measured: every arm is tried
-    assert optimism_weight(0.0, 16, 0.040) == 1.0  # flat verify costs: nodes are free
-    # SmolLM2, 2-core CPU, verify costs per tree size of a calibration profile
-    batch1 = verify_slope({1: 0.0424, 2: 0.0449, 4: 0.0452, 6: 0.0494, 9: 0.0568})
-    batch4 = verify_slope({1: 0.0454, 2: 0.0532, 4: 0.0676})
-    assert 0.5 < optimism_weight(batch1, 16, 0.0424) < 0.9
-    assert optimism_weight(batch4, 16, 0.0454) == 0.0
-    weights = [optimism_weight(s / 1000, 16, 0.040) for s in range(0, 5)]
-    assert weights == sorted(weights, reverse=True)  # dearer nodes, less optimism
-
-
-def test_at_load_a_workload_change_is_explored_by_point_estimates_only(monkeypatch):
-    """The upper ends of nodes a small tree never reaches must not send a loaded batch
-    exploring big trees: at 8 requests, where the largest tree costs more than a
-    drafts-off step, the sizer decides as if they did not exist; at batch 1 they
-    change what it explores."""
-    from eagle_vllm.sizing import policy
-
-    def decisions(batch: int) -> list:
-        engine = SimulatedEngine(rate=0.3, draft_pass=0.075, per_token=0.04)
-        engine.stratified = True
-        sizer = TreeSizer(max_passes=3, topk=2, max_nodes=8)
-        run(sizer, engine, batch=batch, steps=60)
-        engine.rate = 0.8
-        return run(sizer, engine, batch=batch, steps=300, seed=1)
-
-    with_upper_ends = {batch: decisions(batch) for batch in (1, 8)}
-    monkeypatch.setattr(policy, "optimism_weight", lambda *args: 0.0)
-    assert decisions(8) == with_upper_ends[8]
-    assert decisions(1) != with_upper_ends[1]
 
 
 def test_an_arm_whose_trees_come_out_smaller_is_not_explored_every_step():
