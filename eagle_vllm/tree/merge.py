@@ -72,11 +72,13 @@ __all__ = [
 
 class SuffixTree(Protocol):
     """One request's suffix candidates (``drafting.suffix.SuffixCandidates``): node 0 the
-    root, ``parents[i] < i``, ``scores`` log path probabilities."""
+    root, ``parents[i] < i``, ``scores`` log path probabilities, ``depths`` edges from
+    the root."""
 
     tokens: list[int]
     parents: list[int]
     scores: list[float]
+    depths: list[int]
 
 
 @dataclass
@@ -252,40 +254,28 @@ class SuffixGuide:
     def __init__(self, suffix: Sequence[SuffixTree | None], calibration: Tensor | None = None):
         factors = None if calibration is None else calibration.tolist()
         self._trees: list[SuffixTree | None] = []
-        self._children: list[dict[int, list[int]]] = []
-        self._child_of: list[dict[tuple[int, int], int]] = []
+        # per request: each node's children as (token, node), at most a few per node
+        self._children: list[dict[int, list[tuple[int, int]]]] = []
         self._shift: list[list[float]] = []  # per request, per node: log value = score + shift
         self._at: list[list[int] | None] = []  # per request, the suffix node of each row
         for cands in suffix:
             if cands is None or len(cands.tokens) <= 1:
                 self._trees.append(None)
                 self._children.append({})
-                self._child_of.append({})
                 self._shift.append([])
                 self._at.append(None)
                 continue
-            children: dict[int, list[int]] = {}
-            child_of: dict[tuple[int, int], int] = {}
-            depth = [0] * len(cands.tokens)
+            children: dict[int, list[tuple[int, int]]] = {}
             shift = [0.0] * len(cands.tokens)
             for i in range(1, len(cands.tokens)):
-                parent = cands.parents[i]
-                children.setdefault(parent, []).append(i)
-                child_of[(parent, int(cands.tokens[i]))] = i
-                depth[i] = depth[parent] + 1
+                children.setdefault(cands.parents[i], []).append((int(cands.tokens[i]), i))
                 if factors is not None:
-                    d = min(depth[i], len(factors[SUFFIX]) - 1)
+                    d = min(cands.depths[i], len(factors[SUFFIX]) - 1)
                     shift[i] = math.log(factors[SUFFIX][d] / factors[EAGLE][d])
             self._trees.append(cands)
             self._children.append(children)
-            self._child_of.append(child_of)
             self._shift.append(shift)
             self._at.append([0])  # the root frontier stands on the suffix root
-
-    @property
-    def active(self) -> bool:
-        """Whether any frontier row stands on a suffix node."""
-        return any(at is not None for at in self._at)
 
     def offers(self) -> list[list[tuple[int, int, float]]] | None:
         """Per request, the suffix children of the nodes the current frontier stands on
@@ -297,10 +287,8 @@ class SuffixGuide:
             offered: list[tuple[int, int, float]] = []
             if at is not None:
                 for row, node in enumerate(at):
-                    for child in children.get(node, ()) if node >= 0 else ():
-                        offered.append(
-                            (row, int(cands.tokens[child]), cands.scores[child] + shift[child])
-                        )
+                    for token, child in children.get(node, ()) if node >= 0 else ():
+                        offered.append((row, token, cands.scores[child] + shift[child]))
             found = found or bool(offered)
             out.append(offered)
         return out if found else None
@@ -311,9 +299,11 @@ class SuffixGuide:
         for b, at in enumerate(self._at):
             if at is None:
                 continue
-            child_of = self._child_of[b]
+            children = self._children[b]
             nxt = [
-                child_of.get((at[p], t), -1) if at[p] >= 0 else -1
+                next((c for token, c in children.get(at[p], ()) if token == t), -1)
+                if at[p] >= 0
+                else -1
                 for t, p in zip(tokens[b], parents[b])
             ]
             self._at[b] = nxt if max(nxt, default=-1) >= 0 else None

@@ -218,13 +218,12 @@ def test_guide_offers_the_children_of_the_nodes_the_frontier_stands_on():
     assert offers[0][0][2] == pytest.approx(math.log(0.9))
     # the next frontier: row 1 is the suffix's node 1 (token 1 under the root), row 0 not
     guide.advance([[6, 1], [], []], [[0, 0], [], []])
-    assert guide.active
     offers = guide.offers()
     assert [(r, t) for r, t, _ in offers[0]] == [(1, 3)]
     assert offers[0][0][2] == pytest.approx(math.log(0.72))
     # a frontier that leaves the suffix tree ends the guide's offers
     guide.advance([[6, 8], [], []], [[1, 0], [], []])
-    assert not guide.active and guide.offers() is None
+    assert guide.offers() is None
 
 
 def test_guide_values_suffix_nodes_on_the_heads_scale():
