@@ -12,11 +12,11 @@ The terms of the policy, a bandit over tree sizes:
   steps: a step is charged to the nodes it verified, so an arm whose trees come out
   smaller than its size, such as one pass and 13 nodes where the suffix source finds
   few candidates, stays unmeasured; SmolLM2 at 4 requests on a CPU explored one 7
-  times in 38 steps), tried only if it could still win (its expected
-  tokens over a lower bound of its cost must beat the best measured arm: costs grow
-  with nodes and passes, so at high load, where one small tree already loses to no
-  drafts, the big trees are never tried), or, every ``explore_every`` steps, the
-  stalest arm that could still win, its old samples replaced by the fresh one;
+  times in 38 steps), tried only if it could still win (its expected tokens over a
+  lower bound of its cost must beat the best measured arm: costs grow with nodes and
+  passes, so at high load, where one small tree already loses to no drafts, the big
+  trees are never tried), or, every ``explore_every`` steps, the stalest arm that
+  could still win, its old samples replaced by the fresh one;
 * a **probe** is the exploration of the other side, alternating with the stalest arm:
   the smallest tree while no drafts wins (keeps acceptance measured), no drafts while a
   tree wins (keeps its cost current), the fresh sample joining the probe's two latest.
