@@ -537,12 +537,15 @@ def add_arms_args(p: argparse.ArgumentParser) -> None:
 def predicted(table: dict, concurrency: int, arm: tuple[int, int]) -> str:
     """The sizer's prediction for ``arm`` at ``concurrency`` requests: the throughput it
     compares arms by (requests x expected tokens / step cost), to set beside the measured
-    one; the measured includes the prefill steps, which no arm's prediction holds."""
+    one; the measured includes the prefill steps, which no arm's prediction holds. Where
+    the arm's trees come out smaller than its size, the nodes they hold follow."""
     row = sizer_bucket(table, concurrency).get(f"{arm[0]},{arm[1]}") or {}
     seconds, tokens = row.get("seconds"), row.get("expected_tokens")
     if not seconds or tokens is None:
         return "unmeasured"
-    return f"{concurrency * tokens / seconds:.1f} ({tokens:.3f}, {1e3 * seconds:.1f} ms)"
+    nodes = row.get("expected_nodes", arm[1])
+    held = f", {nodes:.2f} nodes" if nodes < arm[1] - 0.005 else ""
+    return f"{concurrency * tokens / seconds:.1f} ({tokens:.3f}, {1e3 * seconds:.1f} ms{held})"
 
 
 def arms(args, argv: list[str] | None) -> int:
@@ -576,7 +579,7 @@ def arms(args, argv: list[str] | None) -> int:
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
           "runner phases, ms/step | the sizer's prediction for the arm: tok/s "
-          "(tokens per request per step, ms per step)")  # fmt: skip
+          "(tokens per request per step, ms per step[, nodes per tree])")  # fmt: skip
     for rep in range(args.reps):
         order = modes if rep % 2 == 0 else modes[::-1]  # neither always runs first
         for arm, mode in ((a, m) for a in swept for m in order):

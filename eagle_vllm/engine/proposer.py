@@ -384,7 +384,7 @@ class EagleTreeProposer(StepBound, EagleProposer):
         else:
             step.drafted = DraftedTrees(req_ids=req_ids, tree=tree)
             drafts = None
-        step.drafted.passes = passes
+        step.drafted.passes, step.drafted.nodes = passes, nodes
         if temperatures is not None:
             step.drafted.sampled = temperatures > 0
             step.drafted.draft_q = draft_q

@@ -39,6 +39,9 @@ class DraftedTrees:
     # passes, suffix candidates alone); the sizer's acceptance statistics count a tree
     # of d passes for trees of at most d passes
     passes: int | None = None
+    # the tree size they were drafted for, root included: a tree may come out smaller
+    # (few suffix candidates), and its empty ranks count as drafts not accepted
+    nodes: int | None = None
 
     def row_of(self) -> dict[str, int]:
         return {req_id: i for i, req_id in enumerate(self.req_ids)}
@@ -52,7 +55,7 @@ class StepRecord:
     decode_only: bool  # every scheduled token is a request's last token or a draft
     batch: int = 0
     passes: int = 0  # draft passes run for the next step
-    verified_nodes: int = 1  # the largest tree verified (1: no drafts)
+    verified_nodes: int = 1  # nodes verified per request, the mean (1: no drafts)
     sampled: bool = False  # some request samples (temperature > 0)
     execute_seconds: float = 0.0
     runner_seconds: float | None = None  # execute_model + sample_tokens, once both ran

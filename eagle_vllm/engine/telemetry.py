@@ -62,8 +62,11 @@ def observe_acceptance(
     not_as_drafted: set[str],
     accepted_nodes: torch.Tensor | None,
 ) -> int:
-    """Feed the sizer which node of each verified tree was accepted; returns the largest
-    tree verified (nodes, root included).
+    """Feed the sizer which node of each verified tree was accepted; returns the nodes the
+    step verified per request, root included (the mean, rounded; at least 2 if any
+    request had drafts): what the step is charged to. Trees come out at different
+    sizes where suffix candidates fill them, and the target forward's cost follows the
+    tokens it verifies, not the largest tree.
 
     ``req_ids``/``sampled``: the batch's requests and which sample; ``verified``: the
     trees drafted for them; ``not_as_drafted``: requests whose drafts were not verified
@@ -93,6 +96,8 @@ def observe_acceptance(
         index = torch.arange(batch)[:, None].expand_as(accepted_nodes)
         hit = accepted_nodes >= 0
         accepted[index[hit], accepted_nodes[hit].clamp(max=width)] = True
-    passes = None if verified is None else verified.passes
-    sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled[:batch], passes)
-    return width
+    passes, nodes = (None, None) if verified is None else (verified.passes, verified.nodes)
+    sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled[:batch], passes, nodes)
+    if width <= 1:
+        return 1
+    return max(2, round(float(num_nodes.sum()) / batch))

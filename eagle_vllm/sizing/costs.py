@@ -182,7 +182,11 @@ class CostModel:
         return scale, samples
 
     def arm_costs(
-        self, batch_size: int, mode: str, arms: list[tuple[int, int]]
+        self,
+        batch_size: int,
+        mode: str,
+        arms: list[tuple[int, int]],
+        nodes: dict[tuple[int, int], float] | None = None,
     ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
         """Seconds per step of every arm measured at this batch size, in arm order, and
         the verify cost per tree size they were built from.
@@ -193,11 +197,19 @@ class CostModel:
         (``monotone_verify_costs``), draft costs made non-decreasing in passes. Each size
         is measured alone, at its own times, on a noisy machine; taken as measured, a
         6-node verify can read cheaper than a 4-node one, and the sizer would pick two
-        passes of 6 nodes over one pass of 4 for a cost the 6-node tree cannot have."""
-        return self.arm_costs_and_spread(batch_size, mode, arms)[:2]
+        passes of 6 nodes over one pass of 4 for a cost the 6-node tree cannot have.
+
+        ``nodes``: per arm, the nodes its trees hold on average, where they come out
+        smaller than its size (``AcceptanceStats.expected_nodes``): its verify cost is
+        that of trees that size (``verify_cost_at``)."""
+        return self.arm_costs_and_spread(batch_size, mode, arms, nodes)[:2]
 
     def arm_costs_and_spread(
-        self, batch_size: int, mode: str, arms: list[tuple[int, int]]
+        self,
+        batch_size: int,
+        mode: str,
+        arms: list[tuple[int, int]],
+        nodes: dict[tuple[int, int], float] | None = None,
     ) -> tuple[dict[tuple[int, int], float], dict[int, float], float]:
         """``arm_costs``, and the relative standard error of a tree's predicted cost
         against no drafts' (``monotone_verify_costs``; 0 until both have a few samples)."""
@@ -206,7 +218,12 @@ class CostModel:
         draft = _non_decreasing(
             {d: self.kind_cost(batch_size, "draft", d, mode) for d in self.pass_counts}
         )
-        costs = {(d, m): verify[m] + draft[d] for d, m in arms if m in verify and d in draft}
+        nodes = nodes or {}
+        costs = {}
+        for d, m in arms:
+            v = verify_cost_at(verify, nodes.get((d, m), m), m)
+            if v is not None and d in draft:
+                costs[(d, m)] = v + draft[d]
         return costs, verify, spread
 
     def resume_cost(self, batch_size: int, mode: str, off: float | None) -> float:
@@ -218,10 +235,13 @@ class CostModel:
             return 0.0
         return max(samples.value - off, 0.0)
 
-    def last_measured(self, mode: str, bucket: int, arm: tuple[int, int]) -> int:
-        """The step an arm was last measured at in this mode and bucket (-2: never)."""
+    def last_measured(
+        self, mode: str, bucket: int, arm: tuple[int, int], nodes: int | None = None
+    ) -> int:
+        """The step an arm was last measured at in this mode and bucket (-2: never);
+        ``nodes``: the size its trees come out at, if smaller than its own."""
         tables = self.bucket[mode]
-        v = tables["verify"].get((bucket, arm[1]))
+        v = tables["verify"].get((bucket, arm[1] if nodes is None else nodes))
         d = tables["draft"].get((bucket, arm[0]))
         return min(v.last_step if v else -2, d.last_step if d else -2)
 
@@ -263,6 +283,27 @@ class CostModel:
                             (mode, kind, bucket), Samples(self.window)
                         )
                         ratio.add(samples.value / theirs.value, -1)
+
+
+def verify_cost_at(verify: dict[int, float], nodes: float, size: int) -> float | None:
+    """The verify cost of an arm of ``size`` nodes whose trees hold ``nodes`` on average
+    (from ``verify``, the costs per tree size): its size's cost while its trees are
+    full, else the cost interpolated at their size between the measured sizes around
+    it (a 1-pass 9-node arm whose suffix candidates fill 7 nodes verifies what a 7-node
+    tree does). None: unmeasured (an arm never drafted reads as full, so it needs its
+    own size measured)."""
+    if nodes >= size - 0.5:
+        return verify.get(size)
+    below = max((s for s in verify if s <= nodes), default=None)
+    above = min((s for s in verify if s >= nodes), default=None)
+    if below is None or above is None:
+        return verify.get(size)
+    if above == below:
+        cost = verify[below]
+    else:
+        share = (nodes - below) / (above - below)
+        cost = verify[below] + share * (verify[above] - verify[below])
+    return min(cost, verify[size]) if size in verify else cost
 
 
 def verify_slope(verify: dict[int, float]) -> float:

@@ -1,8 +1,11 @@
 """The sizer's policy: each step's (draft passes, tree nodes) from measured costs and acceptance.
 
 A step with ``d`` passes and an ``m``-node tree yields ``E(d, m)`` tokens per request
-(``acceptance.py``) and costs ``verify(B, m) + draft(B, d)`` seconds at batch size ``B``
-(``costs.py``). The sizer picks the arm with the most tokens per second, ``E / cost``.
+(``acceptance.py``) and costs ``verify(B, n) + draft(B, d)`` seconds at batch size ``B``
+(``costs.py``), where ``n`` is ``m`` or, for trees that come out smaller (a suffix
+source with few candidates filling the ranks beyond what the passes draft), the nodes
+they hold; their empty ranks count as drafts not accepted in ``E``. The sizer picks
+the arm with the most tokens per second, ``E / cost``.
 
 The terms of the policy, a bandit over tree sizes:
 
@@ -127,6 +130,7 @@ class _Context:
     """What the bounds of one ``choose`` call share (all derived from measured state)."""
 
     costs: dict[Arm, float]
+    nodes: dict[Arm, float]  # the nodes each arm's trees hold (``expected_nodes``)
     sampled_share: float
     node_slope: float  # ``verify_slope`` at this batch size
     resume_extra: float  # ``CostModel.resume_cost`` at this batch size
@@ -161,8 +165,10 @@ class TreeSizer:
         self.max_explore_every = 8 * explore_every
         self.explore_budget = explore_budget
         self.window = window
+        # every tree size has its verify cost: a step is charged to the nodes it
+        # verified, which for trees that come out smaller than their arm is no arm's size
         self.costs = CostModel(
-            sorted({m for _, m in self.arms}), sorted({d for d, _ in self.arms}), window
+            list(range(1, max_nodes + 1)), sorted({d for d, _ in self.arms}), window
         )
         self._acceptance = AcceptanceByClass(max_passes, max_nodes, extra_depth)
         # the policy's own state, changed by ``commit`` only
@@ -222,12 +228,15 @@ class TreeSizer:
         mode = SAMPLED if sampled else GREEDY
         self.costs.observe_resume(batch_size, seconds, mode, self.steps)
 
-    def observe_acceptance(self, depths, valid, accepted, sampled=None, passes=None) -> None:
+    def observe_acceptance(
+        self, depths, valid, accepted, sampled=None, passes=None, nodes=None
+    ) -> None:
         """One verified step: ``[R, W]`` node depths, which nodes were verified, which
         accepted; ``sampled``: ``[R]`` bool, which requests sample, None if none do;
         ``passes``: the draft passes the trees were drafted with (``[R]`` or one int;
-        None: ``max_passes``)."""
-        self._acceptance.observe(depths, valid, accepted, sampled, passes)
+        None: ``max_passes``); ``nodes``: the tree size they were drafted for, root
+        included (``[R]`` or one int; None: as verified)."""
+        self._acceptance.observe(depths, valid, accepted, sampled, passes, nodes)
 
     def age_acceptance(self, sampled_share: float) -> None:
         """A step without drafts: the classes in the batch age (nothing is observed)."""
@@ -238,10 +247,19 @@ class TreeSizer:
         """Tokens per request per step, for a batch of which ``sampled_share`` samples."""
         return self._acceptance.expected_tokens(arm, sampled_share)
 
+    def expected_nodes(self, arm: Arm, sampled_share: float = 0.0) -> float:
+        """Nodes per request a step of ``arm`` verifies, root included (fewer than its size
+        where its trees come out smaller)."""
+        return self._acceptance.expected_nodes(arm, sampled_share)
+
+    def _arm_nodes(self, sampled_share: float) -> dict[Arm, float]:
+        return {arm: self.expected_nodes(arm, sampled_share) for arm in self.arms}
+
     def cost(self, batch_size: int, arm: Arm, sampled_share: float = 0.0) -> float | None:
         """Seconds per step (verify plus draft; None if either is unmeasured)."""
         mode = SAMPLED if sampled_share > 0 else GREEDY
-        return self.costs.arm_costs(batch_size, mode, self.arms)[0].get(arm)
+        nodes = self._arm_nodes(sampled_share)
+        return self.costs.arm_costs(batch_size, mode, self.arms, nodes)[0].get(arm)
 
     def throughput(self, batch_size: int, arm: Arm, sampled_share: float = 0.0) -> float | None:
         """Predicted tokens per second of one request at this batch size (None: unmeasured)."""
@@ -315,9 +333,10 @@ class TreeSizer:
         predicted tokens per second, for a batch of which ``share`` samples, and the
         relative standard error of a tree's cost against no drafts'."""
         mode = SAMPLED if share > 0 else GREEDY
-        costs, verify, spread = self.costs.arm_costs_and_spread(batch_size, mode, self.arms)
+        nodes = self._arm_nodes(share)
+        costs, verify, spread = self.costs.arm_costs_and_spread(batch_size, mode, self.arms, nodes)
         rates = {a: self.expected_tokens(a, share) / max(c, 1e-9) for a, c in costs.items()}
-        return costs, verify, rates, spread
+        return costs, verify, rates, spread, nodes
 
     def start_margin(self, spread: float) -> float:
         """The predicted gain over no drafts that starts drafting (half of it keeps it):
@@ -332,10 +351,11 @@ class TreeSizer:
         share = min(max(num_sampled / max(batch_size, 1), 0.0), 1.0)
         mode = SAMPLED if share > 0 else GREEDY
         bucket = batch_bucket(batch_size)
-        costs, verify, rates, spread = self._predicted_rates(batch_size, share)
+        costs, verify, rates, spread, nodes = self._predicted_rates(batch_size, share)
         base = costs.get(self._last_best) or costs.get(OFF)
         ctx = _Context(
             costs=costs,
+            nodes=nodes,
             sampled_share=share,
             node_slope=verify_slope(verify),
             resume_extra=self.costs.resume_cost(batch_size, mode, verify.get(1)),
@@ -431,7 +451,7 @@ class TreeSizer:
                 and self._price(ctx, a) <= credit
             ]
             if candidates:
-                arm = min(candidates, key=lambda a: self.costs.last_measured(mode, bucket, a))
+                arm = min(candidates, key=lambda a: self._last_measured(ctx, mode, bucket, a))
                 # the stalest arm's window may describe another phase of the workload
                 # (a warm-up, a burst of prefills): the fresh sample replaces it
                 return Decision(arm, "explore", price=self._price(ctx, arm), keep=0, **made)
@@ -448,16 +468,25 @@ class TreeSizer:
 
     def _floor(self, ctx: _Context, arm: Arm, own: bool = True) -> float:
         """A lower bound of an arm's cost: for every measured arm with at most as many
-        nodes and passes, its cost plus the extra nodes at the node slope each (costs
-        grow with nodes and passes); the largest of these."""
+        nodes (as its trees come out) and passes, its cost plus the extra nodes at the
+        node slope each (costs grow with nodes and passes); the largest of these."""
+        size = ctx.nodes.get(arm, arm[1])
         return max(
             (
-                c + ctx.node_slope * (arm[1] - other[1])
+                c + ctx.node_slope * (size - other_size)
                 for other, c in ctx.costs.items()
-                if other[0] <= arm[0] and other[1] <= arm[1] and (own or other != arm)
+                if other[0] <= arm[0]
+                and (other_size := ctx.nodes.get(other, other[1])) <= size
+                and (own or other != arm)
             ),
             default=0.0,
         )
+
+    def _last_measured(self, ctx: _Context, mode: str, bucket: int, arm: Arm) -> int:
+        """The step an arm was last measured at (its trees' own size, if smaller)."""
+        size = ctx.nodes.get(arm, arm[1])
+        nodes = None if size >= arm[1] - 0.5 else round(size)
+        return self.costs.last_measured(mode, bucket, arm, nodes)
 
     def _could_win(self, ctx: _Context, arm: Arm, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
@@ -523,11 +552,13 @@ class TreeSizer:
         share = 0.0 if last is None else last.sampled_share
         mode = SAMPLED if share > 0 else GREEDY
         out = {"arms": [list(a) for a in self.arms], "mode": mode, "buckets": {}}
+        nodes = self._arm_nodes(share)
         for b in self.costs.buckets():
-            costs, _ = self.costs.arm_costs(b, mode, self.arms)
+            costs, _ = self.costs.arm_costs(b, mode, self.arms, nodes)
             out["buckets"][b] = {
                 f"{d},{m}": {
                     "expected_tokens": round(self.expected_tokens((d, m), share), 3),
+                    "expected_nodes": round(nodes[(d, m)], 2),
                     "seconds": None if (c := costs.get((d, m))) is None else round(c, 5),
                 }
                 for d, m in self.arms

@@ -134,6 +134,123 @@ def test_a_tree_counts_only_for_cuts_its_passes_reach():
     assert trials[1].sum() > 0 and trials[2:].sum() == 0
 
 
+def test_a_tree_that_comes_out_smaller_than_its_size_counts_its_empty_ranks_as_misses():
+    """A 1-pass, 9-node arm holds the root's 4 children and up to 4 suffix candidates:
+    where the suffix source has none, the tree has 5 nodes. Its expected tokens must be
+    what such trees give (the empty ranks accept nothing), not what the few full trees
+    give: measured on those alone, the arm read 2.42 tokens a step where it gave 2.24."""
+    one_pass = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    full = torch.ones(1, 9, dtype=torch.bool)
+    short = full.clone()
+    short[0, 5:] = False  # no suffix candidates: the root and its 4 children
+    sized, unsized = (
+        AcceptanceStats(max_passes=2, max_nodes=9, decay=1.0, extra_depth=8) for _ in range(2)
+    )
+    given = []
+    for step in range(400):
+        # one of the root's children is accepted, each a quarter of the time; every
+        # eighth tree is full, and its 4 suffix candidates are accepted too
+        valid = full if step % 8 == 0 else short
+        accepted = torch.zeros(1, 9, dtype=torch.bool)
+        accepted[0, 1 + step % 4] = True
+        accepted[0, 5:] = valid[0, 5:]
+        given.append(1 + int(accepted.sum()))
+        sized.update(one_pass, valid, accepted, passes=1, nodes=9)
+        unsized.update(one_pass, valid, accepted, passes=1)
+    mean_given = sum(given) / len(given)  # 2.5
+    assert abs(sized.expected_tokens(1, 9) - mean_given) < 0.02
+    assert unsized.expected_tokens(1, 9) > mean_given + 0.4  # the full trees' ranks
+    # the 5-node cut is measured by every tree; only the tree's own cut counts its
+    # empty ranks (more passes would have filled them)
+    assert abs(sized.expected_tokens(1, 5) - 2.0) < 0.02
+    assert sized.trials[2].sum() == 0
+    # what such trees verify: 5 nodes, 9 one time in eight; a size never drafted is full
+    assert abs(sized.expected_nodes(1, 9) - 5.5) < 0.02
+    assert sized.expected_nodes(1, 5) == 5 and sized.expected_nodes(2, 9) == 9
+    # per request: one tree drafted for 9 nodes, one for 5, both verified with 5
+    before = sized.trials.clone()
+    sized.update(one_pass.repeat(2, 1), short.repeat(2, 1), torch.zeros(2, 9, dtype=torch.bool),
+                 passes=1, nodes=torch.tensor([9, 5]))  # fmt: skip
+    added = sized.trials - before
+    assert added[1, 1:5].tolist() == [2, 2, 2, 2] and added[1, 5:].tolist() == [1, 1, 1, 1]
+    # a request whose drafts were not verified as drafted (no root) counts nothing
+    before = sized.trials.clone()
+    sized.update(one_pass, torch.zeros(1, 9, dtype=torch.bool), torch.zeros(1, 9, dtype=torch.bool),
+                 passes=1, nodes=9)  # fmt: skip
+    assert torch.equal(sized.trials, before)
+    # the telemetry hands the sizer the size the trees were drafted for
+    from eagle_vllm.engine.step import DraftedTrees
+    from eagle_vllm.engine.telemetry import observe_acceptance
+    from eagle_vllm.tree import DraftTree
+
+    sizer = TreeSizer(max_passes=2, topk=3, max_nodes=6)
+    tree = DraftTree(
+        tokens=torch.tensor([[5, 6, 7, 8]]),
+        parents=torch.tensor([[-1, 0, 0, 0]]),
+        depths=torch.tensor([[0, 1, 1, 1]]),
+        num_nodes=torch.tensor([4]),
+        scores=torch.tensor([[0.0, -1.0, -2.0, -3.0]]),
+    )
+    drafted = DraftedTrees(req_ids=["a"], tree=tree, passes=1, nodes=6)
+    observe_acceptance(sizer, [3], ["a"], torch.zeros(1, dtype=torch.bool), drafted, set(),
+                       torch.tensor([[0, -1, -1, -1]]))  # fmt: skip
+    assert sizer.acceptance.trials[1, 1:6].tolist() == [1, 1, 1, 1, 1]
+
+
+def test_an_arm_whose_trees_come_out_smaller_costs_what_trees_of_their_size_do():
+    """The verify cost of an arm is that of the trees it verifies: a 1-pass 9-node arm
+    whose trees hold 7 nodes costs what 7-node trees do, interpolated between the
+    sizes measured around 7; an arm never drafted needs its own size measured."""
+    from eagle_vllm.sizing.costs import verify_cost_at
+
+    verify = {1: 0.010, 4: 0.016, 6: 0.020, 9: 0.026}
+    assert verify_cost_at(verify, 9.0, 9) == 0.026
+    assert verify_cost_at(verify, 8.7, 9) == 0.026  # full within rounding
+    assert verify_cost_at(verify, 7.0, 9) == pytest.approx(0.022)
+    assert verify_cost_at(verify, 6.0, 9) == 0.020
+    assert verify_cost_at(verify, 7.0, 13) == pytest.approx(0.022)  # 13 never measured
+    assert verify_cost_at(verify, 13.0, 13) is None
+    assert verify_cost_at({9: 0.026}, 7.0, 9) == 0.026  # nothing measured below 7
+
+    # In the sizer: steps are charged to the nodes verified per request, and the 9-node
+    # arm, whose trees came out at 5 nodes with a full one every eighth step (the
+    # telemetry's mean), is priced between the 5- and 6-node costs.
+    from eagle_vllm.engine.step import DraftedTrees
+    from eagle_vllm.engine.telemetry import observe_acceptance
+    from eagle_vllm.tree import DraftTree
+
+    sizer = TreeSizer(max_passes=1, topk=4, max_nodes=9, extra_nodes=4, extra_depth=4)
+    assert (1, 9) in sizer.arms
+    seconds = {1: 0.040, 5: 0.048, 6: 0.050, 9: 0.056}  # verify cost per node count
+    for size, cost in seconds.items():
+        for _ in range(3):
+            sizer.observe_verify(1, size, cost)
+    sizer.observe_draft(1, 1, 0.004)
+    for step in range(16):
+        full = step % 8 == 0
+        n = 9 if full else 5
+        tree = DraftTree(
+            tokens=torch.arange(n)[None],
+            parents=torch.tensor([[-1, 0, 0, 0, 0, 1, 5, 6, 7][:n]]),
+            depths=torch.tensor([[0, 1, 1, 1, 1, 2, 3, 4, 5][:n]]),
+            num_nodes=torch.tensor([n]),
+            scores=-torch.arange(n, dtype=torch.float32)[None],
+        )
+        drafted = DraftedTrees(req_ids=["a"], tree=tree, passes=1, nodes=9,
+                               pass_depths=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1][:n]]))  # fmt: skip
+        verified = observe_acceptance(sizer, [n - 1], ["a"], torch.zeros(1, dtype=torch.bool),
+                                      drafted, set(), torch.tensor([[0, 1, -1, -1, -1]]))  # fmt: skip
+        assert verified == n
+    # ranks 5-8 filled 2 times in 16, with one pseudo-trial filled: 3 / 17
+    assert abs(sizer.expected_nodes((1, 9)) - (1 + 4 + 4 * 3 / 17)) < 0.02
+    assert 0.048 + 0.004 < sizer.cost(1, (1, 9)) < 0.050 + 0.004
+    # at 4 requests a step is charged to its mean tree: [9, 5, 5, 5] nodes verify 6 each
+    assert observe_acceptance(sizer, [8, 4, 4, 4], list("abcd"), torch.zeros(4, dtype=torch.bool),
+                              None, set(), None) == 6  # fmt: skip
+    assert observe_acceptance(sizer, [1, 0, 0, 0], list("abcd"), torch.zeros(4, dtype=torch.bool),
+                              None, set(), None) == 2  # fmt: skip
+
+
 def test_a_deeper_cut_is_expected_to_give_at_least_what_a_shallower_one_does():
     """A deeper cut ranks a superset of a shallower cut's nodes: a depth measured seldom,
     its rates near the prior, must not read worse than the depth in use."""
