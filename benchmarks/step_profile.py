@@ -447,7 +447,10 @@ other set) are decoded to ``--max-tokens``. Prints, per arm and repetition, outp
 tokens/s, engine steps, wall ms per step and the runner's phases in ms per step
 (``eagle_vllm_timings``: ``target_forward`` is the target model's forward, ``draft``
 the drafter, ``verify`` the rejection sampler, ``kv_compaction`` the accepted path's
-K/V moves). Every run starts with the suffix source's response cache emptied, so a
+K/V moves), then the sizer's prediction for the arm (tokens/s, tokens per request per
+step, ms per step, and the nodes its trees hold where fewer than its size) beside what
+the verified trees gave (tokens and nodes per tree). Every run starts with the suffix
+source's response cache emptied, so a
 prompt decoded by an earlier arm is not drafted from its own past answer. Rounds
 interleave the arms, since this machine drifts. ``--profile
 passes,nodes`` also runs that arm once more under ``torch.profiler`` and prints the
@@ -488,6 +491,34 @@ def _decision_summary(worker) -> str:
 
     counts = Counter((d.kind, d.arm) for d in worker.model_runner.sizer._decisions)
     return " ".join(f"{kind} {d},{m} x{n}" for (kind, (d, m)), n in counts.items())
+
+
+def _record_trees(worker) -> bool:
+    """Run on the worker: count, from now on, the trees the sizer is told were verified
+    (``_realised``): per tree, the drafts accepted and the nodes verified."""
+    sizer = worker.model_runner.sizer
+    if not hasattr(sizer, "_trees"):
+        observe = sizer.observe_acceptance
+
+        def counted(depths, valid, accepted, *args, **kwargs):
+            verified = valid[:, 0]  # rows of trees verified as drafted
+            sizer._trees[0] += int(verified.sum())
+            sizer._trees[1] += int((accepted & valid)[:, 1:].sum())
+            sizer._trees[2] += int(valid[verified].sum())
+            return observe(depths, valid, accepted, *args, **kwargs)
+
+        sizer.observe_acceptance = counted
+    sizer._trees = [0, 0, 0]
+    return True
+
+
+def _realised(worker) -> str:
+    """Run on the worker: what the trees counted since ``_record_trees`` gave: tokens per
+    tree (accepted drafts plus the target's own), nodes per tree, trees."""
+    trees, accepted, nodes = worker.model_runner.sizer._trees
+    if not trees:
+        return "no trees"
+    return f"{1 + accepted / trees:.3f} tokens, {nodes / trees:.2f} nodes per tree, {trees} trees"
 
 
 def _sizer_arms(worker) -> list[tuple[int, int]]:
@@ -579,12 +610,14 @@ def arms(args, argv: list[str] | None) -> int:
     modes = ("trimmed", "full") if args.first_pass == "both" else (args.first_pass,)
     print("arm (passes, nodes), rep[, first pass]: tok/s | steps | ms/step | "
           "runner phases, ms/step | the sizer's prediction for the arm: tok/s "
-          "(tokens per request per step, ms per step[, nodes per tree])")  # fmt: skip
+          "(tokens per request per step, ms per step[, nodes per tree]) | what the "
+          "verified trees gave")  # fmt: skip
     for rep in range(args.reps):
         order = modes if rep % 2 == 0 else modes[::-1]  # neither always runs first
         for arm, mode in ((a, m) for a in swept for m in order):
             llm.collective_rpc(_set_first_pass, args=(mode == "full",))
             llm.collective_rpc(_pin_arm, args=(arm,))
+            llm.collective_rpc(_record_trees)
             if arm is None:
                 llm.collective_rpc(_record_decisions)
             batch = [prompts[(10 + 7 * rep + i) % 80] for i in range(n)]
@@ -600,8 +633,10 @@ def arms(args, argv: list[str] | None) -> int:
             )
             label = f", {mode}" if len(modes) > 1 else ""
             prediction = "-" if arm is None else predicted(sizing_table(llm), c, arm)
+            realised = llm.collective_rpc(_realised)[0]
             print(f"{arm or 'auto'}, {rep}{label}: {tokens / seconds:.1f} | {steps} | "
-                  f"{1e3 * seconds / steps:.1f} | {split} | {prediction}", flush=True)  # fmt: skip
+                  f"{1e3 * seconds / steps:.1f} | {split} | {prediction} | {realised}",
+                  flush=True)  # fmt: skip
             if arm is None:  # what the sizer chose, counted by kind and arm
                 print(f"  decisions: {llm.collective_rpc(_decision_summary)[0]}", flush=True)
     for arm in profiled:
