@@ -95,6 +95,22 @@ def test_acceptance_update_counts_each_node_in_every_cut_tree(seed):
     assert torch.allclose(stats.trials, trials) and torch.allclose(stats.hits, hits)
 
 
+def _root_and_three_children(**drafted):
+    """One request's verified tree, ``DraftedTrees`` with ``drafted``'s fields: the root
+    and three children, in rank order."""
+    from eagle_vllm.engine.step import DraftedTrees
+    from eagle_vllm.tree import DraftTree
+
+    tree = DraftTree(
+        tokens=torch.tensor([[5, 6, 7, 8]]),
+        parents=torch.tensor([[-1, 0, 0, 0]]),
+        depths=torch.tensor([[0, 1, 1, 1]]),
+        num_nodes=torch.tensor([4]),
+        scores=torch.tensor([[0.0, -1.0, -2.0, -3.0]]),
+    )
+    return DraftedTrees(req_ids=["a"], tree=tree, **drafted)
+
+
 def test_a_tree_counts_only_for_cuts_its_passes_reach():
     """A tree of one pass is the cut at depth 1 of a two-pass tree, not that tree: there,
     the depth-2 nodes would outrank some of its nodes. Counted as a two-pass tree, a
@@ -115,19 +131,10 @@ def test_a_tree_counts_only_for_cuts_its_passes_reach():
     added = stats.trials - before
     assert added[1].sum() == 2 + 3 and added[2].sum() == 3 and added[3].sum() == 0
     # the telemetry hands the sizer the passes the verified trees were drafted with
-    from eagle_vllm.engine.step import DraftedTrees
     from eagle_vllm.engine.telemetry import observe_acceptance
-    from eagle_vllm.tree import DraftTree
 
     sizer = TreeSizer(max_passes=3, topk=3, max_nodes=4)
-    tree = DraftTree(
-        tokens=torch.tensor([[5, 6, 7, 8]]),
-        parents=torch.tensor([[-1, 0, 0, 0]]),
-        depths=torch.tensor([[0, 1, 1, 1]]),
-        num_nodes=torch.tensor([4]),
-        scores=torch.tensor([[0.0, -1.0, -2.0, -3.0]]),
-    )
-    drafted = DraftedTrees(req_ids=["a"], tree=tree, passes=1)
+    drafted = _root_and_three_children(passes=1)
     observe_acceptance(sizer, [3], ["a"], torch.zeros(1, dtype=torch.bool), drafted, set(),
                        torch.tensor([[0, -1, -1, -1]]))  # fmt: skip
     trials = sizer.acceptance.trials
@@ -179,19 +186,10 @@ def test_a_tree_that_comes_out_smaller_than_its_size_counts_its_empty_ranks_as_m
                  passes=1, nodes=9)  # fmt: skip
     assert torch.equal(sized.trials, before)
     # the telemetry hands the sizer the size the trees were drafted for
-    from eagle_vllm.engine.step import DraftedTrees
     from eagle_vllm.engine.telemetry import observe_acceptance
-    from eagle_vllm.tree import DraftTree
 
     sizer = TreeSizer(max_passes=2, topk=3, max_nodes=6)
-    tree = DraftTree(
-        tokens=torch.tensor([[5, 6, 7, 8]]),
-        parents=torch.tensor([[-1, 0, 0, 0]]),
-        depths=torch.tensor([[0, 1, 1, 1]]),
-        num_nodes=torch.tensor([4]),
-        scores=torch.tensor([[0.0, -1.0, -2.0, -3.0]]),
-    )
-    drafted = DraftedTrees(req_ids=["a"], tree=tree, passes=1, nodes=6)
+    drafted = _root_and_three_children(passes=1, nodes=6)
     observe_acceptance(sizer, [3], ["a"], torch.zeros(1, dtype=torch.bool), drafted, set(),
                        torch.tensor([[0, -1, -1, -1]]))  # fmt: skip
     assert sizer.acceptance.trials[1, 1:6].tolist() == [1, 1, 1, 1, 1]
