@@ -116,13 +116,17 @@ class CostModel:
         # (SmolLM2 on CPU, 16 requests: 119 ms against 64 for a drafts-off step, 44 of it
         # catch-up); an exploration of a tree while no drafts wins pays that too.
         self.resume: dict[tuple[str, int], Samples] = {}
-        # windows an exploration renews: (mode, kind, bucket, size) -> old samples kept
-        self.renew: dict[tuple[str, str, int, int], int] = {}
+        # the window an exploration renews, (mode, kind, bucket) -> (size, old samples
+        # kept): the next sample of that kind in the bucket is the exploration's, so it
+        # applies to that sample only (a step charged to another size than expected
+        # must not leave a renewal pending for a later step of that size)
+        self.renew: dict[tuple[str, str, int], tuple[int, int]] = {}
 
     def observe(self, kind: str, batch_size: int, size: int, seconds: float, mode: str,
                 step: int) -> None:  # fmt: skip
         bucket = batch_bucket(batch_size)
-        keep = self.renew.pop((mode, kind, bucket, size), None)
+        renewed = self.renew.pop((mode, kind, bucket), None)
+        keep = renewed[1] if renewed is not None and renewed[0] == size else None
         profiled = self.profile_cost.get((mode, kind, bucket, size))
         if profiled is not None:
             drift = self.drift.setdefault((kind, bucket), Samples(self.window))

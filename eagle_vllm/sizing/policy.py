@@ -330,8 +330,9 @@ class TreeSizer:
 
     def _predicted_rates(self, batch_size: int, share: float):
         """Every measured arm's cost, the verify costs they were built from, its
-        predicted tokens per second, for a batch of which ``share`` samples, and the
-        relative standard error of a tree's cost against no drafts'."""
+        predicted tokens per second, for a batch of which ``share`` samples, the
+        relative standard error of a tree's cost against no drafts', and every arm's
+        expected nodes per tree."""
         mode = SAMPLED if share > 0 else GREEDY
         nodes = self._arm_nodes(share)
         costs, verify, spread = self.costs.arm_costs_and_spread(batch_size, mode, self.arms, nodes)
@@ -425,8 +426,9 @@ class TreeSizer:
             self._last_explore = self.steps
             self._explorations += 1
             bucket = batch_bucket(decision.batch_size)
-            self.costs.renew[(decision.mode, "verify", bucket, decision.arm[1])] = decision.keep
-            self.costs.renew[(decision.mode, "draft", bucket, decision.arm[0])] = decision.keep
+            size = self._charged_size(decision.arm, decision.sampled_share)
+            self.costs.renew[(decision.mode, "verify", bucket)] = (size, decision.keep)
+            self.costs.renew[(decision.mode, "draft", bucket)] = (decision.arm[0], decision.keep)
         self.last_decision = decision
         self.history.append((decision.batch_size, *decision.arm))
         del self.history[:-4096]
@@ -484,9 +486,12 @@ class TreeSizer:
 
     def _last_measured(self, ctx: _Context, mode: str, bucket: int, arm: Arm) -> int:
         """The step an arm was last measured at (its trees' own size, if smaller)."""
-        size = ctx.nodes.get(arm, arm[1])
-        nodes = None if size >= arm[1] - 0.5 else round(size)
-        return self.costs.last_measured(mode, bucket, arm, nodes)
+        size = _charged(arm, ctx.nodes.get(arm, arm[1]))
+        return self.costs.last_measured(mode, bucket, arm, size)
+
+    def _charged_size(self, arm: Arm, sampled_share: float) -> int:
+        """The tree size a step of ``arm`` is expected to be charged to."""
+        return _charged(arm, self.expected_nodes(arm, sampled_share))
 
     def _could_win(self, ctx: _Context, arm: Arm, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
@@ -564,6 +569,12 @@ class TreeSizer:
                 for d, m in self.arms
             }
         return out
+
+
+def _charged(arm: Arm, nodes: float) -> int:
+    """The tree size a step of ``arm`` whose trees hold ``nodes`` is charged to (the
+    telemetry charges a step to the nodes it verified per request, rounded)."""
+    return arm[1] if nodes >= arm[1] - 0.5 else max(2, round(nodes))
 
 
 def check_profile(

@@ -249,6 +249,24 @@ def test_an_arm_whose_trees_come_out_smaller_costs_what_trees_of_their_size_do()
                               None, set(), None) == 2  # fmt: skip
 
 
+def test_an_exploration_renews_only_the_sample_it_takes():
+    """An exploration renews the window its step is charged to. Where the step is charged
+    to another size than expected (trees that came out smaller), the renewal must not
+    stay pending and later reset the window of the size it named."""
+    from eagle_vllm.sizing.costs import CostModel
+
+    costs = CostModel(list(range(1, 10)), [1], window=9)
+    for step in range(5):
+        costs.observe("verify", 4, 9, 0.090, GREEDY, step)
+    costs.renew[(GREEDY, "verify", 4)] = (9, 0)  # expected: a 9-node step, fresh window
+    costs.observe("verify", 4, 7, 0.080, GREEDY, 5)  # charged to 7 nodes instead
+    costs.observe("verify", 4, 9, 0.095, GREEDY, 6)  # a later 9-node step
+    assert len(costs.bucket[GREEDY]["verify"][(4, 9)].samples) == 6
+    costs.renew[(GREEDY, "verify", 4)] = (9, 2)  # charged as expected: two old ones kept
+    costs.observe("verify", 4, 9, 0.100, GREEDY, 7)
+    assert list(costs.bucket[GREEDY]["verify"][(4, 9)].samples) == [0.090, 0.095, 0.100]
+
+
 def test_a_deeper_cut_is_expected_to_give_at_least_what_a_shallower_one_does():
     """A deeper cut ranks a superset of a shallower cut's nodes: a depth measured seldom,
     its rates near the prior, must not read worse than the depth in use."""
