@@ -13,6 +13,7 @@ import torch
 
 from eagle_vllm.engine.step import DraftedTrees, StepRecord
 from eagle_vllm.sizing import TreeSizer
+from eagle_vllm.sizing.costs import charged_size
 
 
 def charge_step(sizer: TreeSizer, step: StepRecord, period: float) -> None:
@@ -100,4 +101,4 @@ def observe_acceptance(
     sizer.observe_acceptance(depths, valid, accepted[:, :width], sampled[:batch], passes, nodes)
     if width <= 1:
         return 1
-    return max(2, round(float(num_nodes.sum()) / batch))
+    return charged_size(float(num_nodes.sum()) / batch, width)

@@ -289,6 +289,19 @@ class CostModel:
                         ratio.add(samples.value / theirs.value, -1)
 
 
+def comes_out_full(nodes: float, size: int) -> bool:
+    """Whether trees drafted for ``size`` nodes that hold ``nodes`` on average are full,
+    within rounding."""
+    return nodes >= size - 0.5
+
+
+def charged_size(nodes: float, size: int) -> int:
+    """The tree size a step is charged to whose trees, drafted for at most ``size``
+    nodes, hold ``nodes`` per request on average: ``size`` while they are full, else the
+    mean rounded, at least 2 (a step with drafts is not a drafts-off step)."""
+    return size if comes_out_full(nodes, size) else max(2, round(nodes))
+
+
 def verify_cost_at(verify: dict[int, float], nodes: float, size: int) -> float | None:
     """The verify cost of an arm of ``size`` nodes whose trees hold ``nodes`` on average
     (from ``verify``, the costs per tree size): its size's cost while its trees are
@@ -296,7 +309,7 @@ def verify_cost_at(verify: dict[int, float], nodes: float, size: int) -> float |
     it (a 1-pass 9-node arm whose suffix candidates fill 7 nodes verifies what a 7-node
     tree does). None: unmeasured (an arm never drafted reads as full, so it needs its
     own size measured)."""
-    if nodes >= size - 0.5:
+    if comes_out_full(nodes, size):
         return verify.get(size)
     below = max((s for s in verify if s <= nodes), default=None)
     above = min((s for s in verify if s >= nodes), default=None)

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_vllm.sizing.acceptance import GREEDY, SAMPLED, AcceptanceByClass, AcceptanceStats
-from eagle_vllm.sizing.costs import CostModel, batch_bucket, verify_slope
+from eagle_vllm.sizing.costs import CostModel, batch_bucket, charged_size, verify_slope
 
 OFF = (0, 1)  # (draft passes, tree nodes): no speculation this step
 # A profile's acceptance describes its calibration prompts, not this engine's traffic
@@ -486,12 +486,12 @@ class TreeSizer:
 
     def _last_measured(self, ctx: _Context, mode: str, bucket: int, arm: Arm) -> int:
         """The step an arm was last measured at (its trees' own size, if smaller)."""
-        size = _charged(arm, ctx.nodes.get(arm, arm[1]))
+        size = charged_size(ctx.nodes.get(arm, arm[1]), arm[1])
         return self.costs.last_measured(mode, bucket, arm, size)
 
     def _charged_size(self, arm: Arm, sampled_share: float) -> int:
         """The tree size a step of ``arm`` is expected to be charged to."""
-        return _charged(arm, self.expected_nodes(arm, sampled_share))
+        return charged_size(self.expected_nodes(arm, sampled_share), arm[1])
 
     def _could_win(self, ctx: _Context, arm: Arm, own: bool = True) -> bool:
         """Optimistic bound: expected tokens over ``_floor``. ``own=False`` leaves the
@@ -569,12 +569,6 @@ class TreeSizer:
                 for d, m in self.arms
             }
         return out
-
-
-def _charged(arm: Arm, nodes: float) -> int:
-    """The tree size a step of ``arm`` whose trees hold ``nodes`` is charged to (the
-    telemetry charges a step to the nodes it verified per request, rounded)."""
-    return arm[1] if nodes >= arm[1] - 0.5 else max(2, round(nodes))
 
 
 def check_profile(
